@@ -1,0 +1,65 @@
+"""Capture and profile real models (random weights, CPU) and save their joint graphs as JSON in
+rust/tests/graphs/, the inputs of the Rust tests and `cargo bench`.
+
+    .venv/bin/python benches/save_graphs.py            # all models
+    .venv/bin/python benches/save_graphs.py gpt2_12l   # some of them
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from remat.trace import trace
+from torch import nn
+
+OUT = Path(__file__).resolve().parent.parent / "rust" / "tests" / "graphs"
+
+
+def gpt2(layers: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=2048, n_positions=128)
+    config.bos_token_id = config.eos_token_id = 0
+    return lambda: (GPT2LMHeadModel(config), torch.randint(2048, (4, 128)))
+
+
+def mlp():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
+    return model, torch.randn(64, 256)
+
+
+def cnn():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from models import SmallCNN
+
+    return SmallCNN(), torch.randn(16, 3, 32, 32)
+
+
+def encoder():
+    layer = nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), torch.randn(8, 64, 128)
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "encoder_2l": encoder, **{f"gpt2_{n}l": gpt2(n) for n in (2, 6, 12, 24)}}
+
+
+def save(name: str) -> Path:
+    torch.manual_seed(0)
+    model, sample = MODELS[name]()
+    model.train()
+    g = trace(model, (sample,), {})
+    g.name = name
+    path = OUT / f"{name}.json"
+    path.write_text(g.to_json())
+    return path
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[1:] or MODELS:
+        path = save(name)
+        print(
+            f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}: {path.stat().st_size} bytes"
+        )

@@ -1,0 +1,102 @@
+"""Train a GPT-2 (random weights, CPU or CUDA) for a few steps under a memory budget.
+
+Prints plain PyTorch against remat: peak activation memory measured while the step runs, step
+time, and the largest difference of loss, gradients and parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import remat
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budget", type=float, nargs="+", default=[0.5], help="fractions of plain's peak")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=args.layers, n_embd=128, n_head=4, vocab_size=8192, n_positions=args.seq)
+    config.bos_token_id = config.eos_token_id = 0
+    base = GPT2LMHeadModel(config).to(args.device).train()
+    ids = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
+    sample = {"input_ids": ids, "labels": ids}
+
+    print(f"GPT-2 {args.layers} layers, batch {args.batch} x {args.seq} tokens, on {args.device}")
+    plain_model = copy.deepcopy(base)
+    plain = train(plain_model, plain_model, sample, args.steps)
+    rows = [("plain PyTorch", None, None, plain, 0.0, 0.0, 0.0)]
+    for fraction in args.budget:
+        model = copy.deepcopy(base)
+        t0 = time.perf_counter()
+        rm = remat.Remat(model, sample, fraction)
+        plan_s = time.perf_counter() - t0
+        run = train(rm, model, sample, args.steps)
+        d_loss = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"]))
+        d_grad = max((run["grads"][k] - plain["grads"][k]).abs().max().item() for k in plain["grads"])
+        d_param = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain_model.parameters()))
+        rows.append((f"remat {fraction:g}", rm, plan_s, run, d_loss, d_grad, d_param))
+
+    print(
+        f"{'':<14}{'budget MiB':>11}{'predicted':>10}{'measured':>10}{'of plain':>9}{'step s':>9}"
+        f"{'plan s':>8}{'ILP s':>7}{'d loss':>9}{'d grad':>9}{'d param':>9}"
+    )
+    for name, rm, plan_s, run, d_loss, d_grad, d_param in rows:
+        mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+        budget = mib(rm.budget) if rm else "-"
+        predicted = mib(rm.schedule["predicted"]["peak_bytes"]) if rm else "-"
+        solve = f"{rm.schedule['solver']['seconds']:.2f}" if rm else "-"
+        print(
+            f"{name:<14}{budget:>11}{predicted:>10}{mib(run['peak']):>10}{run['peak'] / plain['peak']:>9.0%}"
+            f"{run['seconds']:>9.3f}{(f'{plan_s:.1f}' if rm else '-'):>8}{solve:>7}"
+            f"{d_loss:>9.1e}{d_grad:>9.1e}{d_param:>9.1e}"
+        )
+
+
+def train(runner, model, sample, steps: int) -> dict:
+    """``steps`` Adam steps; returns losses, first step's gradients and measured activation peak,
+    and the median time of the later steps."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    keep = [*model.parameters(), *model.buffers(), *sample.values()]
+    losses, times, peak, grads = [], [], 0, {}
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        out = {}
+
+        def run(step: int = step, out: dict = out) -> None:
+            torch.manual_seed(step)
+            loss = runner(**sample).loss
+            loss.backward()
+            out["loss"] = loss.item()
+
+        if step == 0:  # memory is measured on the first step, time on the others (untracked)
+            peak = remat.measure_step(run, keep).peak_bytes
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        losses.append(out["loss"])
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        keep = [*model.parameters(), *model.buffers(), *sample.values(), *_optimizer_state(optimizer)]
+    return {"losses": losses, "grads": grads, "peak": peak, "seconds": statistics.median(times)}
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Native planning core (Rust, built by maturin). Graphs and schedules are JSON strings in the
+formats of docs/formats.md."""
+
+__version__: str
+
+def plan(graph_json: str, budget: int, time_limit: float = 30.0, mip_gap: float = 0.01) -> str:
+    """Schedule of least time whose simulated peak is at most ``budget`` bytes.
+
+    Raises remat.InfeasibleBudget below the smallest feasible budget, remat.GraphError on a
+    malformed graph. Releases the GIL while solving.
+    """
+
+def simulate(graph_json: str, schedule_json: str) -> str:
+    """Replay a schedule; JSON report with peak_bytes, forward_peak_bytes, backward_peak_bytes,
+    time and recomputed_time. Raises remat.ScheduleError if the schedule is invalid."""
+
+def budget_range(graph_json: str) -> tuple[int, int]:
+    """(smallest feasible budget, plain PyTorch's peak) in bytes."""

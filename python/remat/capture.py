@@ -1,0 +1,183 @@
+"""Capture a model and sample as one joint forward+backward ATen graph (AOTAutograd, functionalized).
+
+In the captured graph in-place ops are functional, views are explicit view ops, buffer updates
+(BatchNorm running statistics) are extra outputs, random ops are explicit nodes and every tensor a
+backward op needs is an explicit edge. Parameters, buffers, inputs and output gradients are
+placeholders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import tree
+from .errors import CaptureError
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a placeholder of the joint graph stands for."""
+
+    kind: str  # "param", "buffer", "input", "tangent"
+    target: str | int  # parameter/buffer name, flat input index, or forward output index
+
+
+@dataclass(frozen=True)
+class OutputBinding:
+    """What an output of the joint graph is."""
+
+    kind: str  # "forward" (model output), "mutation" (new buffer value), "grad"
+    target: str | int | None  # output index, buffer name, or param name / input index of a grad
+    grad_of: str = ""  # for grads: "param" or "input"
+
+
+@dataclass
+class Captured:
+    """A joint graph and how its inputs and outputs map to the model."""
+
+    gm: fx.GraphModule
+    placeholders: list[fx.Node]
+    bindings: list[Binding]
+    outputs: list[fx.Node | None]
+    output_bindings: list[OutputBinding]
+    out_spec: tree.Spec
+    in_spec: pytree.TreeSpec  # of (args, kwargs) with tensors as leaves
+    const_leaves: list[Any]  # non-tensor leaves of (args, kwargs); None where a tensor goes
+
+
+class _Flat(nn.Module):
+    """Calls the model on flat tensors and returns the tensors of its output."""
+
+    def __init__(self, model: nn.Module, in_spec: pytree.TreeSpec, consts: list[Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.in_spec = in_spec
+        self.consts = consts
+        self.out_spec: tree.Spec | None = None
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = unflatten_inputs(self.in_spec, self.consts, list(tensors))
+        leaves, self.out_spec = tree.flatten(self.model(*args, **kwargs))
+        return tuple(leaves)
+
+
+def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], pytree.TreeSpec, list]:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tensors, spec, consts
+
+
+def unflatten_inputs(spec: pytree.TreeSpec, consts: list, tensors: list[torch.Tensor]):
+    it = iter(tensors)
+    leaves = [next(it) if c is None else c for c in consts]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Trace ``model(*args, **kwargs)`` into a joint forward+backward graph."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    tensors, in_spec, consts = flatten_inputs(args, kwargs)
+    flat = _Flat(model, in_spec, consts)
+    try:
+        with contextlib.ExitStack() as stack:
+            joint = aot_export_joint_with_descriptors(stack, flat, tuple(tensors))
+            gm = joint.graph_module
+    except Exception as exc:  # torch raises many types; the user needs to know it was capture
+        raise CaptureError(
+            f"could not capture {type(model).__name__} as a joint forward+backward graph "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the model "
+            "must be traceable by torch.compile's AOTAutograd without graph breaks "
+            "(no data-dependent Python control flow on tensor values)"
+        ) from exc
+    if flat.out_spec is None:
+        raise CaptureError(f"{type(model).__name__} produced no output during capture")
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    bindings = [_binding(n) for n in placeholders]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = list(out_node.args[0])
+    descs = out_node.meta.get("desc") or [None] * len(outputs)
+    output_bindings = [_output_binding(d) for d in descs]
+    _sum_tied_grads(model, gm, outputs, output_bindings)
+    if not any(b.kind == "forward" for b in output_bindings):
+        raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
+    return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts)
+
+
+def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, bindings: list[OutputBinding]) -> None:
+    """A parameter used under several names (tied weights) gets one gradient, summed in the graph
+    as soon as its parts exist, as autograd does; the other names' gradients become ``None``."""
+    first: dict[int, int] = {}  # id(parameter) -> output index of its summed gradient
+    for i, b in enumerate(bindings):
+        if b.kind != "grad" or b.grad_of != "param" or outputs[i] is None:
+            continue
+        key = id(model.get_parameter(b.target))
+        if key not in first:
+            first[key] = i
+            continue
+        j = first[key]
+        a, c = outputs[j], outputs[i]
+        later = c if _position(gm, c) > _position(gm, a) else a
+        with gm.graph.inserting_after(later):
+            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (a, c))
+        total.meta = {**a.meta, "partitioner_tag": "is_backward"}
+        outputs[j], outputs[i] = total, None
+        bindings[i] = OutputBinding("none", None)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_node.args = (list(outputs),)
+    gm.recompile()
+
+
+def _position(gm: fx.GraphModule, node: fx.Node) -> int:
+    return next(i for i, n in enumerate(gm.graph.nodes) if n is node)
+
+
+def _strip(name: str) -> str:
+    """Parameter names of the wrapper start with ``model.``."""
+    return name.removeprefix("model.")
+
+
+def _binding(node: fx.Node) -> Binding:
+    desc = node.meta.get("desc")
+    kind = type(desc).__name__
+    if kind == "ParamAOTInput":
+        return Binding("param", _strip(desc.target))
+    if kind == "BufferAOTInput":
+        return Binding("buffer", _strip(desc.target))
+    if kind == "PlainAOTInput":
+        return Binding("input", desc.idx)
+    if kind == "TangentAOTInput" and type(desc.output).__name__ == "PlainAOTOutput":
+        return Binding("tangent", desc.output.idx)
+    raise CaptureError(f"unsupported graph input {node.name}: {desc!r}")
+
+
+def _output_binding(desc: Any) -> OutputBinding:
+    kind = type(desc).__name__
+    if desc is None:
+        return OutputBinding("none", None)
+    if kind == "PlainAOTOutput":
+        return OutputBinding("forward", desc.idx)
+    if kind == "InputMutationAOTOutput":
+        inp = desc.mutated_input
+        if type(inp).__name__ != "BufferAOTInput":
+            raise CaptureError(
+                f"the model mutates {inp!r} in place; only buffer updates are supported: "
+                "do not modify inputs or parameters inside forward"
+            )
+        return OutputBinding("mutation", _strip(inp.target))
+    if kind == "GradAOTOutput":
+        of = desc.grad_of
+        if type(of).__name__ == "ParamAOTInput":
+            return OutputBinding("grad", _strip(of.target), "param")
+        if type(of).__name__ == "PlainAOTInput":
+            return OutputBinding("grad", of.idx, "input")
+    raise CaptureError(f"unsupported graph output {desc!r}")

@@ -1,0 +1,44 @@
+"""Errors raised by remat. Every one names what went wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base class of every error remat raises."""
+
+
+class GraphError(RematError):
+    """A graph file or graph object is malformed."""
+
+
+class ScheduleError(RematError):
+    """A schedule is invalid for its graph (the simulator rejected it)."""
+
+
+class SolverError(RematError):
+    """A solver failed for a reason other than an infeasible budget."""
+
+
+class InfeasibleBudget(RematError):
+    """The memory budget is below the smallest budget any schedule can keep."""
+
+    def __init__(self, budget: int, min_budget: int) -> None:
+        self.budget = int(budget)
+        self.min_budget = int(min_budget)
+        super().__init__(
+            f"budget of {self.budget} bytes is infeasible: the smallest feasible budget for this "
+            f"model and sample is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
+            f"pass budget >= {self.min_budget}"
+        )
+
+
+class CaptureError(RematError):
+    """The model could not be captured as a joint forward+backward graph."""
+
+
+class InputMismatch(RematError):
+    """A call's inputs differ from the sample the plan was made for."""
+
+
+class DeviceMismatch(RematError):
+    """The sample and the model are not on the same device."""

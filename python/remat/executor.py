@@ -1,0 +1,159 @@
+"""Run a schedule: its forward and backward phases as FX graphs inside one autograd Function.
+
+Each phase is generated from the schedule's op sequence: a node computed again in the backward
+phase appears there again as a new FX node. Values die where FX's code frees them, after their
+last use in the phase; values alive at the end of the forward phase and used by the backward
+phase are handed over as the saved tensors. Inputs arrive in a list that the generated code
+clears, so nothing outside the phase keeps a freed value alive. A random node computed more than
+once replays the RNG state saved just before its first run.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .graph import JointGraph
+
+_INPUT_KINDS = ("param", "buffer", "input")
+
+
+def save_rng_state(device: str) -> torch.Tensor:
+    """A copy of the generator state of ``device`` (counted as memory by allocation trackers)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_rng_state(torch.device(device)).clone()
+    return torch.get_rng_state().clone()
+
+
+def run_with_rng_state(state: torch.Tensor, device: str, op, *args, **kwargs):
+    """Run ``op`` with the generator of ``device`` set to ``state``, then restore it."""
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        current = torch.cuda.get_rng_state(dev)
+        torch.cuda.set_rng_state(state, dev)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            torch.cuda.set_rng_state(current, dev)
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        torch.set_rng_state(current)
+
+
+@dataclass
+class Phases:
+    """The two generated phases and the value ids that flow in and out of them."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    forward_inputs: list[int]  # graph inputs the forward phase reads
+    forward_outputs: list[int]  # graph outputs of kind "forward", in graph order
+    saved: list[int]  # activations handed from forward to backward
+    rng_nodes: list[int]  # random nodes whose RNG state is handed over too (after ``saved``)
+    backward_inputs: list[int]  # graph inputs (tangents included) the backward phase reads
+    grads: list[int]  # graph outputs of kind "grad", in graph order
+
+
+def build_phases(g: JointGraph, schedule: dict[str, Any]) -> Phases:
+    fwd_ops, bwd_ops = schedule["forward"], schedule["backward"]
+    counts: dict[int, int] = {}
+    for op in fwd_ops + bwd_ops:
+        if op["op"] == "compute":
+            counts[op["node"]] = counts.get(op["node"], 0) + 1
+    replayed = {n for n, c in counts.items() if c > 1 and g.nodes[n].random}
+    bwd_rng = sorted(n for n in replayed if any(op.get("node") == n for op in bwd_ops))
+
+    alive_after_fwd = _alive_after(g, fwd_ops)
+    used_in_bwd = {v for op in bwd_ops if op["op"] == "compute" for v in g.nodes[op["node"]].inputs}
+    saved = sorted(v for v in alive_after_fwd if g.values[v].kind == "activation" and v in used_in_bwd)
+
+    forward_outputs = [v for v, k in g.outputs if k == "forward"]
+    grads = [v for v, k in g.outputs if k == "grad"]
+    fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
+    forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng)
+    bwd_inputs = _graph_inputs_used(g, bwd_ops, grads)
+    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [])
+    return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads)
+
+
+def _alive_after(g: JointGraph, ops: list[dict]) -> set[int]:
+    alive: set[int] = set()
+    for op in ops:
+        if op["op"] == "compute":
+            alive.update(g.nodes[op["node"]].outputs)
+        else:
+            alive.discard(op["value"])
+    return alive
+
+
+def _graph_inputs_used(g: JointGraph, ops: list[dict], outputs: list[int]) -> list[int]:
+    used = {v for op in ops if op["op"] == "compute" for v in g.nodes[op["node"]].inputs}
+    used.update(outputs)
+    return sorted(v for v in used if g.values[v].kind in _INPUT_KINDS + ("tangent",))
+
+
+def _emit(
+    g: JointGraph,
+    ops: list[dict],
+    inputs: list[int],
+    rng_inputs: list[int],
+    outputs: list[int],
+    replayed: set[int],
+    rng_outputs: list[int],
+) -> fx.GraphModule:
+    """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``."""
+    graph = fx.Graph()
+    boxed = graph.placeholder("inputs")
+    env: dict[int, fx.Node] = {}
+    for i, vid in enumerate(inputs):
+        env[vid] = _call(graph, operator.getitem, (boxed, i), {}, g.values[vid].name)
+    states: dict[int, fx.Node] = {}
+    for j, nid in enumerate(rng_inputs):
+        states[nid] = _call(graph, operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
+    graph.call_method("clear", (boxed,))
+
+    for op in ops:
+        if op["op"] == "free":
+            env.pop(op["value"], None)  # FX frees a value after its last use anyway
+            continue
+        node = g.nodes[op["node"]]
+        args, kwargs = fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
+        target = node.fx_node.target
+        if node.id in replayed:
+            device = _device_of(node)
+            if node.id not in states:
+                states[node.id] = _call(graph, save_rng_state, (device,), {}, "rng_state")
+            result = _call(
+                graph, run_with_rng_state, (states[node.id], device, target, *args), kwargs, node.fx_node.name
+            )
+        else:
+            result = _call(graph, target, args, kwargs, node.fx_node.name)
+        for vid in node.outputs:
+            index = g.values[vid].index
+            env[vid] = (
+                result if index is None else _call(graph, operator.getitem, (result, index), {}, g.values[vid].name)
+            )
+    graph.output((*[env[v] for v in outputs], *[states[n] for n in rng_outputs]))
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _call(graph: fx.Graph, target, args, kwargs, name: str) -> fx.Node:
+    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return graph.create_node("call_function", target, tuple(args), kwargs, name=clean)
+
+
+def _device_of(node) -> str:
+    val = node.fx_node.meta.get("val")
+    tensors = [val] if isinstance(val, torch.Tensor) else [t for t in val if isinstance(t, torch.Tensor)]
+    device = tensors[0].device
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return "cpu"

@@ -1,0 +1,163 @@
+"""The joint graph as remat's planners see it: nodes (ATen ops), values (tensors), outputs.
+
+Built from a captured FX joint graph; serialized in the versioned format of ``docs/formats.md``.
+Tuple-returning ops get one value per tensor element (FX ``getitem`` nodes are not nodes here).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .capture import Captured
+from .errors import CaptureError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Value:
+    id: int
+    name: str
+    kind: str  # "param", "buffer", "input", "tangent", "activation"
+    source: fx.Node  # the FX node computing this value (or the tuple it is an element of)
+    index: int | None  # element of the tuple result, or None
+    bytes: int = 0
+    alias_of: int | None = None
+
+
+@dataclass
+class Node:
+    id: int
+    fx_node: fx.Node
+    phase: str  # "forward" or "backward"
+    inputs: list[int]
+    outputs: list[int]
+    random: bool
+    time: float = 0.0
+    temp_bytes: int = 0
+
+
+@dataclass
+class JointGraph:
+    """Nodes in execution order (forward, then backward) and the values between them."""
+
+    name: str
+    captured: Captured
+    values: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[tuple[int, str]] = field(default_factory=list)  # (value id, "forward"|"grad")
+    value_of: dict[fx.Node, int] = field(default_factory=dict)  # FX node (or getitem) -> value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "remat.graph",
+            "version": SCHEMA_VERSION,
+            "name": self.name,
+            "values": [
+                {"id": v.id, "name": v.name, "bytes": int(v.bytes), "kind": v.kind, "alias_of": v.alias_of}
+                for v in self.values
+            ],
+            "nodes": [
+                {
+                    "id": n.id,
+                    "name": n.fx_node.name,
+                    "target": str(n.fx_node.target),
+                    "phase": n.phase,
+                    "inputs": n.inputs,
+                    "outputs": n.outputs,
+                    "time": float(n.time),
+                    "temp_bytes": int(n.temp_bytes),
+                    "random": n.random,
+                }
+                for n in self.nodes
+            ],
+            "outputs": [{"value": v, "kind": k} for v, k in self.outputs],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def build_graph(captured: Captured, name: str) -> JointGraph:
+    """Structure of the joint graph; sizes and times are filled in by ``profile``."""
+    g = JointGraph(name=name, captured=captured)
+    for ph, b in zip(captured.placeholders, captured.bindings):
+        _add_value(g, ph, ph, None, b.kind)
+    for n in captured.gm.graph.nodes:
+        if n.op == "get_attr":
+            _add_value(g, n, n, None, "buffer")
+
+    fx_nodes = [n for n in captured.gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    backward = _backward_nodes(captured, fx_nodes)
+    ordered = [n for n in fx_nodes if n not in backward] + [n for n in fx_nodes if n in backward]
+    for fx_node in ordered:
+        outputs = _add_outputs(g, fx_node)
+        inputs = list(dict.fromkeys(_input_values(g, fx_node)))
+        target = fx_node.target
+        random = isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+        phase = "backward" if fx_node in backward else "forward"
+        g.nodes.append(Node(len(g.nodes), fx_node, phase, inputs, outputs, random))
+
+    for out, binding in zip(captured.outputs, captured.output_bindings):
+        if out is None or binding.kind == "none":
+            continue
+        kind = "grad" if binding.kind == "grad" else "forward"
+        g.outputs.append((g.value_of[out], kind))
+    return g
+
+
+def _add_value(g: JointGraph, ref: fx.Node | str, source: fx.Node, index: int | None, kind: str) -> int:
+    """A value referred to as ``ref`` in FX (or only named, if unused), element ``index`` of ``source``."""
+    vid = len(g.values)
+    g.values.append(Value(vid, ref if isinstance(ref, str) else ref.name, kind, source, index))
+    if not isinstance(ref, str):
+        g.value_of[ref] = vid
+    return vid
+
+
+def _add_outputs(g: JointGraph, fx_node: fx.Node) -> list[int]:
+    val = fx_node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [_add_value(g, fx_node, fx_node, None, "activation")]
+    if isinstance(val, (tuple, list)):
+        getitems = {u.args[1]: u for u in fx_node.users if u.target is operator.getitem}
+        outputs = []
+        for i, elem in enumerate(val):
+            if not isinstance(elem, torch.Tensor):
+                continue
+            if i in getitems:
+                outputs.append(_add_value(g, getitems[i], fx_node, i, "activation"))
+            else:  # an element nobody uses: it still takes memory until freed
+                outputs.append(_add_value(g, f"{fx_node.name}[{i}]", fx_node, i, "activation"))
+        return outputs
+    if fx_node.users:
+        raise CaptureError(f"node {fx_node.name} ({fx_node.target}) returns {type(val).__name__}, not tensors")
+    return []
+
+
+def _input_values(g: JointGraph, fx_node: fx.Node) -> list[int]:
+    refs: list[int] = []
+    for arg in fx_node.all_input_nodes:
+        if arg not in g.value_of:
+            raise CaptureError(f"node {fx_node.name} uses {arg.name}, which is not a tensor value")
+        refs.append(g.value_of[arg])
+    return refs
+
+
+def _backward_nodes(captured: Captured, fx_nodes: list[fx.Node]) -> set[fx.Node]:
+    """Nodes tagged backward by the partitioner, and every node depending on one or on a tangent."""
+    tangents = {ph for ph, b in zip(captured.placeholders, captured.bindings) if b.kind == "tangent"}
+    backward: set[fx.Node] = set()
+    for n in captured.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        args = n.all_input_nodes
+        if n.meta.get("partitioner_tag") == "is_backward" or any(a in tangents or a in backward for a in args):
+            backward.add(n)
+    return backward

@@ -1,0 +1,277 @@
+"""``Remat``: a model wrapped so that a training step keeps its activation memory under a budget."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _core, tree
+from .capture import flatten_inputs
+from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
+from .executor import Phases, build_phases
+from .graph import JointGraph
+from .trace import graph_inputs, trace
+
+SOLVERS = ("checkmate", "none")
+
+
+class Remat(nn.Module):
+    """Wrap ``model`` so that a training step on inputs like ``sample`` keeps activation memory
+    (bytes a step allocates beyond parameters, gradients and optimizer state) under ``budget``.
+
+    Args:
+        model: any module ``torch.compile`` can capture without graph breaks.
+        sample: the inputs of one call: a tensor, a tuple of positional arguments, or a dict of
+            keyword arguments. Calls must use inputs of the same shapes, dtypes and device.
+        budget: bytes (int), a fraction in (0, 1] of plain PyTorch's activation peak (float),
+            or ``None`` for no limit.
+        solver: ``"checkmate"`` (whole-graph ILP) or ``"none"`` (plain PyTorch, for comparison).
+        time_limit: seconds the ILP may run; the best schedule found by then is used.
+        mip_gap: relative optimality gap at which the ILP stops.
+
+    In eval mode or under ``torch.no_grad()`` the plain model runs.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        budget: int | float | None = None,
+        *,
+        solver: str = "checkmate",
+        time_limit: float = 30.0,
+        mip_gap: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        self.model = model
+        self.solver = solver
+        args, kwargs = _as_call(sample)
+        _check_device(model, args, kwargs)
+        self._sample_signature = _signature(args, kwargs)
+        self._plan: _Plan | None = None
+        if solver != "none":
+            self._plan = _make_plan(model, args, kwargs, budget, time_limit, mip_gap)
+
+    # What was planned, for reports and tests.
+    @property
+    def graph(self) -> dict[str, Any] | None:
+        return None if self._plan is None else json.loads(self._plan.graph_json)
+
+    @property
+    def schedule(self) -> dict[str, Any] | None:
+        return None if self._plan is None else self._plan.schedule
+
+    @property
+    def budget(self) -> int | None:
+        return None if self._plan is None else self._plan.budget
+
+    @property
+    def plain_peak(self) -> int | None:
+        """Predicted activation peak of plain PyTorch (no recomputation)."""
+        return None if self._plan is None else self._plan.plain_peak
+
+    @property
+    def min_budget(self) -> int | None:
+        """The smallest budget any schedule keeps."""
+        return None if self._plan is None else self._plan.min_budget
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plan is None or not self.training or not torch.is_grad_enabled():
+            return self.model(*args, **kwargs)
+        if _signature(args, kwargs) != self._sample_signature:
+            raise InputMismatch(
+                "inputs differ from the sample this model was planned for: got "
+                f"{_describe(_signature(args, kwargs))}, planned for {_describe(self._sample_signature)}; "
+                "build a new Remat with a sample of the new shapes"
+            )
+        return self._plan.run(self.model, args, kwargs)
+
+
+def _as_call(sample: Any) -> tuple[tuple, dict]:
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+def _check_device(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    tensors, _, _ = flatten_inputs(args, kwargs)
+    for t in tensors:
+        if devices and t.device not in devices:
+            raise DeviceMismatch(
+                f"the sample is on {t.device} but the model is on {', '.join(sorted(map(str, devices)))}; "
+                "move both to the same device (model.to(device), sample.to(device))"
+            )
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    tensors, spec, consts = flatten_inputs(args, kwargs)
+    metas = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
+    return (spec, tuple(repr(c) for c in consts), metas)
+
+
+def _describe(signature: tuple) -> str:
+    return ", ".join(f"{list(s)} {str(d).removeprefix('torch.')} on {dev}" for s, d, dev, _ in signature[2])
+
+
+@dataclass
+class _Plan:
+    graph: JointGraph
+    graph_json: str
+    schedule: dict[str, Any]
+    phases: Phases
+    budget: int
+    plain_peak: int
+    min_budget: int
+
+    def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        tensors, _, _ = flatten_inputs(args, kwargs)
+        inputs = graph_inputs(self.graph, model, tensors)
+        vids = list(inputs)
+        outs = _Step.apply(self, vids, *inputs.values())
+        return tree.unflatten(self.graph.captured.out_spec, list(outs))
+
+
+def _make_plan(model, args, kwargs, budget, time_limit: float, mip_gap: float) -> _Plan:
+    g = trace(model, args, kwargs)
+    graph_json = g.to_json()
+    min_budget, plain_peak = _core.budget_range(graph_json)
+    reserve = _reserve(g)
+    if budget is None:
+        target = max(plain_peak, min_budget)
+    elif isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+        target = int(budget * plain_peak)
+    else:
+        target = int(budget)
+    # Plain PyTorch needs no RNG replays or buffer copies; otherwise keep room for them.
+    plan_budget = target if target >= plain_peak else target - reserve
+    try:
+        schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), time_limit, mip_gap))
+    except InfeasibleBudget as exc:
+        raise InfeasibleBudget(target, exc.min_budget + reserve) from None
+    return _Plan(g, graph_json, schedule, build_phases(g, schedule), target, plain_peak, min_budget + reserve)
+
+
+def _reserve(g: JointGraph) -> int:
+    """Bytes the executor may hold beyond the graph's values: RNG states of replayed random
+    nodes and pre-step copies of buffers the step updates."""
+    rng = sum(_rng_state_bytes(n) for n in g.nodes if n.random and n.phase == "forward")
+    mutated = {
+        g.captured.output_bindings[i].target
+        for i in range(len(g.captured.outputs))
+        if g.captured.output_bindings[i].kind == "mutation"
+    }
+    buffers = sum(v.bytes for v in g.values if v.kind == "buffer" and _buffer_name(g, v.id) in mutated)
+    return rng + buffers
+
+
+def _rng_state_bytes(node) -> int:
+    from .executor import _device_of, save_rng_state
+
+    return save_rng_state(_device_of(node)).numel()
+
+
+def _buffer_name(g: JointGraph, vid: int) -> str | None:
+    source = g.values[vid].source
+    for ph, b in zip(g.captured.placeholders, g.captured.bindings):
+        if ph is source and b.kind == "buffer":
+            return b.target
+    return None
+
+
+class _Step(torch.autograd.Function):
+    """One training step's forward and backward phases, as planned."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, vids: list[int], *tensors: torch.Tensor):
+        g, phases = plan.graph, plan.phases
+        by_vid = dict(zip(vids, tensors))
+        consts = _constants(g)
+        result = phases.forward([by_vid[v] if v in by_vid else consts[v] for v in phases.forward_inputs])
+        n_out = len(phases.forward_outputs)
+        produced = dict(zip(phases.forward_outputs, result[:n_out]))
+        ctx.plan, ctx.vids = plan, vids
+        ctx.inputs = {v: by_vid.get(v, consts.get(v)) for v in phases.backward_inputs}
+        _update_buffers(g, produced, ctx.inputs, by_vid)
+        ctx.saved = list(result[n_out:])
+        del result
+        outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        plan: _Plan = ctx.plan
+        g, phases = plan.graph, plan.phases
+        tangents = _tangents(g, grad_outputs)
+        args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
+        args += ctx.saved
+        ctx.saved = None
+        del tangents, grad_outputs
+        grads = dict(zip(phases.grads, phases.backward(args)))
+        by_input = _grads_by_input(g, grads)
+        return (None, None, *[by_input.get(v) for v in ctx.vids])
+
+
+def _constants(g: JointGraph) -> dict[int, torch.Tensor]:
+    gm = g.captured.gm
+    return {g.value_of[n]: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+
+
+def _user_outputs(g: JointGraph):
+    c = g.captured
+    pairs = [(o, b) for o, b in zip(c.outputs, c.output_bindings) if b.kind == "forward"]
+    return sorted(pairs, key=lambda p: p[1].target)
+
+
+def _update_buffers(g, produced, backward_inputs, by_vid) -> None:
+    """Copy new buffer values in place, once per step; the backward phase keeps the old values."""
+    c = g.captured
+    name_to_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "buffer"}
+    for out, b in zip(c.outputs, c.output_bindings):
+        if b.kind != "mutation":
+            continue
+        vid = name_to_vid[b.target]
+        buf = by_vid[vid]
+        if vid in backward_inputs:
+            backward_inputs[vid] = buf.detach().clone()
+        with torch.no_grad():
+            buf.copy_(produced[g.value_of[out]])
+
+
+def _tangents(g: JointGraph, grad_outputs) -> dict[int, torch.Tensor]:
+    c = g.captured
+    out = {}
+    for ph, b in zip(c.placeholders, c.bindings):
+        if b.kind != "tangent":
+            continue
+        grad = grad_outputs[b.target]
+        meta = ph.meta["val"]
+        if grad.stride() != meta.stride():  # e.g. an expanded scalar from .sum(): traced dense
+            dense = torch.empty_strided(meta.shape, meta.stride(), dtype=grad.dtype, device=grad.device)
+            grad = dense.copy_(grad)
+        out[g.value_of[ph]] = grad
+    return out
+
+
+def _grads_by_input(g: JointGraph, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    c = g.captured
+    param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
+    input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
+    out = {}
+    for o, b in zip(c.outputs, c.output_bindings):
+        if b.kind != "grad" or o is None:
+            continue
+        vid = param_vid[b.target] if b.grad_of == "param" else input_vid[b.target]
+        out[vid] = grads[g.value_of[o]]
+    return out

@@ -1,0 +1,76 @@
+//! The two reference plans every budget is measured against: plain PyTorch (`store_all`) and
+//! keep-nothing recomputation (`min_memory`).
+
+use crate::expand::{Stage, StagePlan};
+use crate::simplify::SimpleGraph;
+
+/// Plain PyTorch: each group runs once; each storage is freed after its last user.
+pub fn store_all(sg: &SimpleGraph) -> StagePlan {
+    let alive_after = |t: usize, s: usize| {
+        let st = &sg.storages[s];
+        st.producer <= t && (st.kept || st.users.last().is_some_and(|&u| u > t))
+    };
+    let stages = (0..sg.groups.len())
+        .map(|t| Stage {
+            compute: vec![t],
+            keep: (0..sg.storages.len()).map(|s| alive_after(t, s)).collect(),
+        })
+        .collect();
+    StagePlan { stages }
+}
+
+/// Keep across stages only what cannot be recomputed (graph outputs, backward results, storages
+/// of groups with a graph output); each stage recomputes the forward ancestors it needs and
+/// frees each storage right after its last use.
+pub fn min_memory(sg: &SimpleGraph) -> StagePlan {
+    keep_set(sg, &vec![false; sg.storages.len()])
+}
+
+/// Like [`min_memory`], but the storages marked in `keep` also stay alive from their production
+/// to the last stage that may need them, and so do the other outputs of their group (a group
+/// cannot run again while one of its outputs is alive).
+pub fn keep_set(sg: &SimpleGraph, keep: &[bool]) -> StagePlan {
+    let last = sg.last_stages();
+    let held_group: Vec<bool> = (0..sg.groups.len())
+        .map(|g| !sg.recomputable(g) || sg.groups[g].outputs.iter().any(|&s| keep[s]))
+        .collect();
+    let entering = |t: usize, s: usize| {
+        let st = &sg.storages[s];
+        let held = held_group[st.producer];
+        st.producer < t && (st.kept || (held && t <= last[s]))
+    };
+    let stages = (0..sg.groups.len())
+        .map(|t| Stage {
+            compute: ancestors_to_run(sg, t, |s| entering(t, s)),
+            keep: (0..sg.storages.len()).map(|s| entering(t + 1, s)).collect(),
+        })
+        .collect();
+    StagePlan { stages }
+}
+
+/// Recomputable storages, cheapest to drop first: most bytes per second of recomputing them.
+pub fn drop_order(sg: &SimpleGraph) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sg.storages.len())
+        .filter(|&s| sg.recomputable(sg.storages[s].producer))
+        .collect();
+    let score = |s: usize| {
+        let st = &sg.storages[s];
+        st.bytes as f64 / sg.groups[st.producer].time.max(1e-12)
+    };
+    order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+    order
+}
+
+/// `t` and every group it transitively needs whose storage is not `alive`, ascending.
+fn ancestors_to_run(sg: &SimpleGraph, t: usize, alive: impl Fn(usize) -> bool) -> Vec<usize> {
+    let mut run = vec![false; sg.groups.len()];
+    let mut todo = vec![t];
+    while let Some(g) = todo.pop() {
+        if std::mem::replace(&mut run[g], true) {
+            continue;
+        }
+        let missing = sg.groups[g].inputs.iter().filter(|&&s| !alive(s));
+        todo.extend(missing.map(|&s| sg.storages[s].producer));
+    }
+    (0..=t).filter(|&g| run[g]).collect()
+}

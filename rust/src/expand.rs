@@ -1,0 +1,186 @@
+//! Turns a stage plan over groups (what every solver returns) into the node-level schedule.
+//!
+//! A plan follows Checkmate's stages: stage `t` computes group `t` for the first time and may
+//! recompute earlier groups; stages before `first_backward` form the forward phase. The
+//! expansion frees each storage as early as the plan allows, so it never holds more than the
+//! solvers count: right after the last group of the stage that uses it, unless it is kept into
+//! the next stage.
+
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Phase, ValueKind};
+use crate::schedule::{Op, Schedule};
+use crate::simplify::SimpleGraph;
+
+/// What one stage runs and keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stage {
+    /// Groups computed in this stage, ascending; the last one is the stage's own group.
+    pub compute: Vec<usize>,
+    /// Per storage: alive into the next stage.
+    pub keep: Vec<bool>,
+}
+
+/// One stage per group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagePlan {
+    pub stages: Vec<Stage>,
+}
+
+/// The node-level schedule of `plan` (not yet simulated).
+pub fn schedule_of(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<Schedule> {
+    let mut em = Emitter::new(graph, sg);
+    for (t, stage) in plan.stages.iter().enumerate() {
+        if t == sg.first_backward {
+            em.end_forward()?;
+        }
+        em.run_stage(stage)?;
+    }
+    if plan.stages.len() <= sg.first_backward {
+        em.end_forward()?;
+    }
+    em.end_backward()
+}
+
+struct Emitter<'a> {
+    graph: &'a Graph,
+    sg: &'a SimpleGraph,
+    phase: Phase,
+    alive: Vec<bool>,
+    live_storage: Vec<bool>,
+    ops: Vec<Op>,
+    forward: Vec<Op>,
+}
+
+impl<'a> Emitter<'a> {
+    fn new(graph: &'a Graph, sg: &'a SimpleGraph) -> Emitter<'a> {
+        Emitter {
+            graph,
+            sg,
+            phase: Phase::Forward,
+            alive: graph
+                .values()
+                .iter()
+                .map(|v| v.kind.is_graph_input())
+                .collect(),
+            live_storage: vec![false; sg.storages.len()],
+            ops: Vec::new(),
+            forward: Vec::new(),
+        }
+    }
+
+    fn run_stage(&mut self, stage: &Stage) -> Result<()> {
+        let sg = self.sg;
+        let all: Vec<usize> = (0..sg.storages.len()).collect();
+        let unused = |s: usize| !stage.compute.iter().any(|&g| sg.uses(g, s));
+        self.free_where(stage, &all, unused);
+        for (k, &g) in stage.compute.iter().enumerate() {
+            self.compute_group(g)?;
+            let group = &sg.groups[g];
+            let touched: Vec<usize> = group.inputs.iter().chain(&group.outputs).copied().collect();
+            let later = &stage.compute[k + 1..];
+            let done = |s: usize| !later.iter().any(|&j| sg.uses(j, s));
+            self.free_where(stage, &touched, done);
+        }
+        self.free_where(stage, &all, |_| true);
+        Ok(())
+    }
+
+    /// Frees each live storage of `candidates` that is not kept into the next stage and
+    /// satisfies `done`.
+    fn free_where(&mut self, stage: &Stage, candidates: &[usize], done: impl Fn(usize) -> bool) {
+        for &s in candidates {
+            if self.live_storage[s] && !stage.keep[s] && !self.sg.storages[s].kept && done(s) {
+                self.free_storage(s);
+            }
+        }
+    }
+
+    fn free_storage(&mut self, s: usize) {
+        let owner = self.sg.storages[s].owner;
+        for v in self.graph.storage_values(owner) {
+            if self.alive[v] {
+                self.alive[v] = false;
+                self.ops.push(Op::Free { value: v });
+            }
+        }
+        self.live_storage[s] = false;
+    }
+
+    fn compute_group(&mut self, g: usize) -> Result<()> {
+        let real = self.sg.groups[g].real;
+        for &v in &self.graph.node(real).inputs {
+            self.ensure_alive(v)?;
+        }
+        self.emit_compute(real);
+        for &s in &self.sg.groups[g].outputs {
+            self.live_storage[s] = true;
+        }
+        Ok(())
+    }
+
+    /// Makes `value` alive, running the views that produce it if its storage is alive.
+    fn ensure_alive(&mut self, value: usize) -> Result<()> {
+        if self.alive[value] {
+            return Ok(());
+        }
+        let node = self
+            .graph
+            .producer(value)
+            .filter(|&p| self.graph.is_alias_node(p));
+        let storage_dead = self
+            .sg
+            .storage_of(value)
+            .is_some_and(|s| !self.live_storage[s]);
+        let phase_ok =
+            |p: usize| self.phase == Phase::Backward || self.graph.node(p).phase == Phase::Forward;
+        match node {
+            Some(p) if !storage_dead && phase_ok(p) => {
+                for &v in &self.graph.node(p).inputs {
+                    self.ensure_alive(v)?;
+                }
+                self.emit_compute(p);
+                Ok(())
+            }
+            _ => Err(Error::Schedule(format!(
+                "internal error: the plan needs value {value} ({}) in the {:?} phase, but it is not alive",
+                self.graph.value(value).name,
+                self.phase
+            ))),
+        }
+    }
+
+    fn emit_compute(&mut self, node: usize) {
+        for &v in &self.graph.node(node).outputs {
+            self.alive[v] = true;
+        }
+        self.ops.push(Op::Compute { node });
+    }
+
+    fn end_forward(&mut self) -> Result<()> {
+        self.ensure_outputs(|g, v| g.is_forward_output(v))?;
+        self.forward = std::mem::take(&mut self.ops);
+        self.phase = Phase::Backward;
+        for v in self
+            .graph
+            .values()
+            .iter()
+            .filter(|v| v.kind == ValueKind::Tangent)
+        {
+            self.alive[v.id] = true;
+        }
+        Ok(())
+    }
+
+    fn end_backward(mut self) -> Result<Schedule> {
+        self.ensure_outputs(|g, v| g.is_grad_output(v))?;
+        Ok(Schedule::new(self.forward, self.ops))
+    }
+
+    fn ensure_outputs(&mut self, wanted: impl Fn(&Graph, usize) -> bool) -> Result<()> {
+        let outputs: Vec<usize> = self.graph.outputs().iter().map(|o| o.value).collect();
+        for v in outputs.into_iter().filter(|&v| wanted(self.graph, v)) {
+            self.ensure_alive(v)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,363 @@
+//! Checkmate's ILP over the groups of a [`SimpleGraph`] (Jain et al., MLSys 2020), solved with
+//! HiGHS through good_lp.
+//!
+//! Stage `t` computes group `t` for the first time (`R[t][t] = 1`) and may recompute earlier
+//! forward groups (`R[t][i]`); `S[t][s]` keeps storage `s` alive from stage `t-1` into stage
+//! `t`; `FREE[t][s][k]` frees `s` right after group `k` of stage `t`; `U[t][k]` is the memory
+//! while group `k` of stage `t` runs. Variables that can only be 0 or 1 are constants.
+
+use crate::error::{Error, Result};
+use crate::expand::{Stage, StagePlan};
+use crate::schedule::SolverStatus;
+use crate::simplify::SimpleGraph;
+use good_lp::solvers::highs::highs;
+use good_lp::{
+    variable, Constraint, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus,
+    SolverModel, Variable, WithInitialSolution,
+};
+use std::collections::HashMap;
+
+/// A solved plan and how the solver ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IlpSolution {
+    pub plan: StagePlan,
+    pub status: SolverStatus,
+}
+
+/// HiGHS settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SolveOptions {
+    pub time_limit: f64,
+    pub mip_gap: f64,
+}
+
+/// Solves for the fastest plan keeping memory within `budget` bytes; `None` when HiGHS found no
+/// solution (infeasible, or none within the time limit). `warm_start`, a plan within the budget,
+/// gives HiGHS a first incumbent, so that the time limit ends with a schedule at least as good.
+pub fn solve(
+    sg: &SimpleGraph,
+    budget: u64,
+    options: SolveOptions,
+    warm_start: Option<&StagePlan>,
+) -> Result<Option<IlpSolution>> {
+    let mut model = Model::new(sg, budget);
+    model.add_dependencies();
+    model.add_continuity();
+    model.add_no_recompute_while_alive();
+    for t in 0..sg.groups.len() {
+        model.add_memory(t);
+    }
+    let warm = warm_start.map(|plan| model.values_of(plan));
+    model.solve(options, warm)
+}
+
+/// A 0/1 quantity of the model: a constant, or a binary variable.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Bit {
+    Zero,
+    One,
+    Var(Variable),
+}
+
+impl Bit {
+    fn add_to(self, e: &mut Expression, coef: f64) {
+        match self {
+            Bit::Zero => {}
+            Bit::One => e.add_mul(coef, 1.0),
+            Bit::Var(v) => e.add_mul(coef, v),
+        }
+    }
+
+    fn value(self, solution: &impl Solution) -> bool {
+        match self {
+            Bit::Zero => false,
+            Bit::One => true,
+            Bit::Var(v) => solution.value(v) > 0.5,
+        }
+    }
+}
+
+struct Model<'a> {
+    sg: &'a SimpleGraph,
+    vars: ProblemVariables,
+    rows: Vec<Constraint>,
+    /// `r[t][i]` for `i <= t`.
+    r: Vec<Vec<Bit>>,
+    /// `s[t][storage]` for `t <= n`; `s[n]` is what survives the step (kept storages).
+    s: Vec<Vec<Bit>>,
+    /// `FREE[t][s][k]` as `(variable, t, s, k)`.
+    frees: Vec<(Variable, usize, usize, usize)>,
+    /// Each `U[t][k]` with the expression it bounds from above, in creation order.
+    memory: Vec<(Variable, Expression)>,
+    /// Bytes are divided by the budget so that rows are O(1) for HiGHS.
+    byte_scale: f64,
+}
+
+impl<'a> Model<'a> {
+    fn new(sg: &'a SimpleGraph, budget: u64) -> Model<'a> {
+        let n = sg.groups.len();
+        let mut vars = ProblemVariables::new();
+        let last = sg.last_stages();
+        let r = (0..n)
+            .map(|t| (0..=t).map(|i| r_bit(sg, &last, &mut vars, t, i)).collect())
+            .collect();
+        let s = (0..=n)
+            .map(|t| {
+                (0..sg.storages.len())
+                    .map(|s| s_bit(sg, &last, &mut vars, t, s))
+                    .collect()
+            })
+            .collect();
+        let byte_scale = 1.0 / (budget.max(1) as f64);
+        Model {
+            sg,
+            vars,
+            rows: Vec::new(),
+            r,
+            s,
+            frees: Vec::new(),
+            memory: Vec::new(),
+            byte_scale,
+        }
+    }
+
+    fn bytes(&self, b: u64) -> f64 {
+        b as f64 * self.byte_scale
+    }
+
+    /// `R[t][j] <= R[t][p] + S[t][s]` for each input storage `s` of `j`, produced by `p`.
+    fn add_dependencies(&mut self) {
+        for t in 0..self.r.len() {
+            for j in 0..=t {
+                for &st in &self.sg.groups[j].inputs {
+                    let p = self.sg.storages[st].producer;
+                    self.add_at_most(&[self.r[t][j]], &[self.r[t][p], self.s[t][st]], 0.0);
+                }
+            }
+        }
+    }
+
+    /// `S[t+1][s] <= S[t][s] + R[t][p]`: a storage survives a stage only if it was alive in it.
+    fn add_continuity(&mut self) {
+        for (st, storage) in self.sg.storages.iter().enumerate() {
+            for t in storage.producer + 1..self.r.len() {
+                let p = storage.producer;
+                self.add_at_most(&[self.s[t + 1][st]], &[self.s[t][st], self.r[t][p]], 0.0);
+            }
+        }
+    }
+
+    /// `R[t][i] + S[t][s] <= 1` for each output `s` of `i`: a node cannot run while one of its
+    /// outputs is alive.
+    fn add_no_recompute_while_alive(&mut self) {
+        for t in 0..self.r.len() {
+            for i in 0..t {
+                for &st in &self.sg.groups[i].outputs {
+                    self.add_at_most(&[self.r[t][i], self.s[t][st]], &[], 1.0);
+                }
+            }
+        }
+    }
+
+    /// `sum(lhs) <= sum(rhs) + constant`, skipped when it holds for any value of the bits.
+    fn add_at_most(&mut self, lhs: &[Bit], rhs: &[Bit], constant: f64) {
+        let max_lhs = lhs.iter().filter(|b| **b != Bit::Zero).count() as f64;
+        let min_rhs = rhs.iter().filter(|b| **b == Bit::One).count() as f64 + constant;
+        if max_lhs <= min_rhs {
+            return;
+        }
+        let mut e = Expression::with_capacity(lhs.len() + rhs.len());
+        lhs.iter().for_each(|b| b.add_to(&mut e, 1.0));
+        rhs.iter().for_each(|b| b.add_to(&mut e, -1.0));
+        self.rows.push(e.leq(constant));
+    }
+
+    /// `U[t][k] + temp(k) R[t][k] <= budget` for each group `k` that stage `t` may run, with
+    /// `U[t][k] = U[t][k'] + R[t][k] out(k) - frees after k'` (`k'` the previous candidate) and
+    /// `U` of the first candidate starting from the storages kept into the stage.
+    fn add_memory(&mut self, t: usize) {
+        let candidates: Vec<usize> = (0..=t).filter(|&k| self.r[t][k] != Bit::Zero).collect();
+        let mut before = self.stage_start_memory(t);
+        for (idx, &k) in candidates.iter().enumerate() {
+            let u = self.vars.add(variable().min(0.0));
+            self.r[t][k].add_to(&mut before, self.bytes(self.sg.output_bytes(k)));
+            self.memory.push((u, before.clone()));
+            self.rows.push(Expression::from(u).geq(before));
+            let mut peak = Expression::from(u);
+            self.r[t][k].add_to(&mut peak, self.bytes(self.sg.groups[k].temp_bytes));
+            self.rows.push(peak.leq(1.0));
+            before = Expression::from(u);
+            if idx + 1 < candidates.len() {
+                self.subtract_frees(t, k, &mut before);
+            }
+        }
+    }
+
+    fn stage_start_memory(&self, t: usize) -> Expression {
+        let mut e = Expression::with_capacity(self.sg.storages.len());
+        for (st, storage) in self.sg.storages.iter().enumerate() {
+            self.s[t][st].add_to(&mut e, self.bytes(storage.bytes));
+        }
+        if t >= self.sg.first_backward {
+            e.add_mul(self.bytes(self.sg.tangent_bytes), 1.0);
+        }
+        e
+    }
+
+    /// Subtracts `bytes(s) FREE[t][s][k]` for each storage `k` reads or writes that may be freed
+    /// right after `k`: `FREE <= R[t][k]`, `FREE <= 1 - S[t+1][s]`, `FREE <= 1 - R[t][j]` for each
+    /// later user `j` of `s` in the stage. FREE is continuous: only these upper bounds matter,
+    /// and they are 0/1.
+    fn subtract_frees(&mut self, t: usize, k: usize, memory: &mut Expression) {
+        let group = &self.sg.groups[k];
+        for &st in group.inputs.iter().chain(&group.outputs) {
+            let storage = &self.sg.storages[st];
+            let later_users: Vec<Bit> = storage
+                .users
+                .iter()
+                .filter(|&&j| j > k && j <= t)
+                .map(|&j| self.r[t][j])
+                .collect();
+            let blockers: Vec<Bit> = later_users.into_iter().chain([self.s[t + 1][st]]).collect();
+            if storage.kept || blockers.contains(&Bit::One) {
+                continue;
+            }
+            let free = self.vars.add(variable().min(0.0).max(1.0));
+            self.add_at_most(&[Bit::Var(free)], &[self.r[t][k]], 0.0);
+            for b in blockers {
+                self.add_at_most(&[Bit::Var(free), b], &[], 1.0);
+            }
+            memory.add_mul(-self.bytes(storage.bytes), free);
+            self.frees.push((free, t, st, k));
+        }
+    }
+
+    fn objective(&self) -> Expression {
+        let scale = 1.0
+            / self
+                .sg
+                .groups
+                .iter()
+                .map(|g| g.time)
+                .sum::<f64>()
+                .max(1e-12);
+        let mut e = Expression::with_capacity(self.r.len() * self.r.len() / 2);
+        for row in &self.r {
+            for (i, bit) in row.iter().enumerate() {
+                if let Bit::Var(v) = bit {
+                    e.add_mul(self.sg.groups[i].time * scale, *v);
+                }
+            }
+        }
+        e
+    }
+
+    /// The value of every variable under `plan` (FREE as large as its bounds allow).
+    fn values_of(&self, plan: &StagePlan) -> HashMap<Variable, f64> {
+        let runs = |t: usize, i: usize| plan.stages[t].compute.contains(&i);
+        let kept_into = |t: usize, s: usize| t > 0 && plan.stages[t - 1].keep[s];
+        let mut values = HashMap::new();
+        for (t, row) in self.r.iter().enumerate() {
+            for (i, bit) in row.iter().enumerate() {
+                if let Bit::Var(v) = bit {
+                    values.insert(*v, f64::from(u8::from(runs(t, i))));
+                }
+            }
+        }
+        for (t, row) in self.s.iter().enumerate() {
+            for (s, bit) in row.iter().enumerate() {
+                if let Bit::Var(v) = bit {
+                    values.insert(*v, f64::from(u8::from(kept_into(t, s))));
+                }
+            }
+        }
+        for &(free, t, s, k) in &self.frees {
+            let later_use = self.sg.storages[s]
+                .users
+                .iter()
+                .any(|&j| j > k && j <= t && runs(t, j));
+            let freed = runs(t, k) && !kept_into(t + 1, s) && !later_use;
+            values.insert(free, f64::from(u8::from(freed)));
+        }
+        for (u, before) in &self.memory {
+            let value = before.eval_with(&values).max(0.0);
+            values.insert(*u, value);
+        }
+        values
+    }
+
+    fn solve(
+        self,
+        options: SolveOptions,
+        warm: Option<HashMap<Variable, f64>>,
+    ) -> Result<Option<IlpSolution>> {
+        let objective = self.objective();
+        let mip_gap = options.mip_gap;
+        let mut problem = self
+            .vars
+            .minimise(objective)
+            .using(highs)
+            .set_time_limit(options.time_limit)
+            .set_threads(1)
+            .set_mip_rel_gap(mip_gap as f32)
+            .map_err(|e| Error::Solver(format!("bad MIP gap {mip_gap}: {e}")))?;
+        if let Some(values) = warm {
+            problem = problem.with_initial_solution(values);
+        }
+        let problem = self.rows.into_iter().fold(problem, |p, row| p.with(row));
+        let solution = match problem.solve() {
+            Ok(solution) => solution,
+            Err(ResolutionError::Infeasible) | Err(ResolutionError::Other("NoSolutionFound")) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(Error::Solver(format!("HiGHS: {e}"))),
+        };
+        let status = match solution.status() {
+            SolutionStatus::Optimal | SolutionStatus::GapLimit => SolverStatus::Optimal,
+            SolutionStatus::TimeLimit => SolverStatus::TimeLimit,
+        };
+        let plan = extract(&self.r, &self.s, &solution);
+        Ok(Some(IlpSolution { plan, status }))
+    }
+}
+
+/// `R[t][i]`: group `t` in its own stage; earlier forward groups only if they may be
+/// recomputed and still be needed at stage `t`.
+fn r_bit(sg: &SimpleGraph, last: &[usize], vars: &mut ProblemVariables, t: usize, i: usize) -> Bit {
+    let needed_later = sg.groups[i].outputs.iter().any(|&s| last[s] >= t);
+    if i == t {
+        Bit::One
+    } else if sg.recomputable(i) && needed_later {
+        Bit::Var(vars.add(variable().binary()))
+    } else {
+        Bit::Zero
+    }
+}
+
+/// `S[t][s]`: kept storages stay alive once produced; others may stay until the last stage
+/// that needs them.
+fn s_bit(sg: &SimpleGraph, last: &[usize], vars: &mut ProblemVariables, t: usize, s: usize) -> Bit {
+    let storage = &sg.storages[s];
+    if storage.producer >= t {
+        Bit::Zero
+    } else if storage.kept {
+        Bit::One
+    } else if t <= last[s] {
+        Bit::Var(vars.add(variable().binary()))
+    } else {
+        Bit::Zero
+    }
+}
+
+/// The plan read off `R` and `S` only (FREE is a relaxation and is not trusted).
+fn extract(r: &[Vec<Bit>], s: &[Vec<Bit>], solution: &impl Solution) -> StagePlan {
+    let stages = r
+        .iter()
+        .enumerate()
+        .map(|(t, row)| Stage {
+            compute: (0..=t).filter(|&i| row[i].value(solution)).collect(),
+            keep: s[t + 1].iter().map(|b| b.value(solution)).collect(),
+        })
+        .collect();
+    StagePlan { stages }
+}

@@ -1,0 +1,27 @@
+//! remat's planning core: reads a joint forward+backward graph (`docs/formats.md`), plans which
+//! activations to keep and which to recompute under a memory budget, and returns a schedule that
+//! the simulator has replayed.
+//!
+//! Stages: [`graph`] (read and validate) → [`simplify`] (fold views into groups) → solvers
+//! ([`baseline`], [`ilp`]) returning a [`expand::StagePlan`] → [`expand`] (node-level
+//! [`Schedule`]) → [`simulate`] (check and measure). [`plan()`] ties them together; `python.rs`
+//! exposes it as `remat._core`.
+
+pub mod baseline;
+pub mod error;
+pub mod expand;
+pub mod graph;
+pub mod ilp;
+pub mod plan;
+pub mod schedule;
+pub mod simplify;
+pub mod simulate;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};
+pub use graph::Graph;
+pub use plan::{budget_range, plan, PlanOptions};
+pub use schedule::{Op, Schedule, SolverInfo, SolverStatus};
+pub use simulate::{simulate, Report};

@@ -1,0 +1,73 @@
+//! `remat._core`: JSON strings in and out; the GIL is released while planning. Only converts
+//! types: every decision is made by the Rust API.
+
+use crate::{Error, Graph, PlanOptions, Schedule};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// `plan(graph_json, budget, time_limit=30.0, mip_gap=0.01) -> str`: the schedule JSON.
+#[pyfunction]
+#[pyo3(name = "plan", signature = (graph_json, budget, time_limit = 30.0, mip_gap = 0.01))]
+fn py_plan(
+    py: Python<'_>,
+    graph_json: String,
+    budget: u64,
+    time_limit: f64,
+    mip_gap: f64,
+) -> PyResult<String> {
+    let options = PlanOptions {
+        time_limit,
+        mip_gap,
+    };
+    py.detach(|| {
+        let graph = Graph::from_json(&graph_json)?;
+        crate::plan(&graph, budget, &options).map(|s| s.to_json())
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
+/// `simulate(graph_json, schedule_json) -> str`: the report JSON.
+#[pyfunction]
+#[pyo3(name = "simulate")]
+fn py_simulate(py: Python<'_>, graph_json: String, schedule_json: String) -> PyResult<String> {
+    py.detach(|| {
+        let graph = Graph::from_json(&graph_json)?;
+        let schedule = Schedule::from_json(&schedule_json)?;
+        let report = crate::simulate(&graph, &schedule)?;
+        Ok(serde_json::to_string(&report).expect("a report always serializes"))
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
+/// `budget_range(graph_json) -> (min_budget, plain_peak)`.
+#[pyfunction]
+#[pyo3(name = "budget_range")]
+fn py_budget_range(py: Python<'_>, graph_json: String) -> PyResult<(u64, u64)> {
+    py.detach(|| crate::budget_range(&Graph::from_json(&graph_json)?))
+        .map_err(|e| to_py_err(py, e))
+}
+
+/// The `remat.errors` exception for `err` (`ValueError` if that module cannot be imported).
+fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
+    let raised = py.import("remat.errors").and_then(|errors| {
+        let instance = match &err {
+            Error::Graph(msg) => errors.getattr("GraphError")?.call1((msg.as_str(),))?,
+            Error::Schedule(msg) => errors.getattr("ScheduleError")?.call1((msg.as_str(),))?,
+            Error::Solver(msg) => errors.getattr("SolverError")?.call1((msg.as_str(),))?,
+            Error::Infeasible { budget, min_budget } => errors
+                .getattr("InfeasibleBudget")?
+                .call1((*budget, *min_budget))?,
+        };
+        Ok(PyErr::from_value(instance))
+    });
+    raised.unwrap_or_else(|_| PyValueError::new_err(err.to_string()))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(py_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(py_simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(py_budget_range, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

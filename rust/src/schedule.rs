@@ -1,0 +1,101 @@
+//! The schedule: the op sequence of each phase that Python's executor runs.
+
+use crate::error::{Error, Result};
+use crate::graph::FORMAT_VERSION;
+use crate::simulate::Report;
+use serde::{Deserialize, Serialize};
+
+/// `schema` of a schedule file.
+pub const SCHEDULE_SCHEMA: &str = "remat.schedule";
+
+/// One step of a phase: run a node, or drop one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Op {
+    Compute { node: usize },
+    Free { value: usize },
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Op::Compute { node } => write!(f, "compute node {node}"),
+            Op::Free { value } => write!(f, "free value {value}"),
+        }
+    }
+}
+
+/// How the solver ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SolverStatus {
+    /// Proven optimal (within the requested MIP gap).
+    Optimal,
+    /// The best feasible schedule found within the time limit.
+    TimeLimit,
+    /// No solution was found in time: the minimal-memory schedule.
+    Fallback,
+}
+
+/// Which solver made a schedule, how it ended and for which budget.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SolverInfo {
+    pub name: String,
+    pub status: SolverStatus,
+    pub seconds: f64,
+    pub budget: u64,
+}
+
+/// The ops of both phases, with the simulator's replay and the solver's record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    pub forward: Vec<Op>,
+    pub backward: Vec<Op>,
+    /// The simulator's replay; absent only in a schedule written by hand.
+    #[serde(default)]
+    pub predicted: Option<Report>,
+    #[serde(default)]
+    pub solver: Option<SolverInfo>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ScheduleFile {
+    schema: String,
+    version: u64,
+    #[serde(flatten)]
+    schedule: Schedule,
+}
+
+impl Schedule {
+    /// A schedule of the two phases, not yet simulated.
+    pub fn new(forward: Vec<Op>, backward: Vec<Op>) -> Schedule {
+        Schedule {
+            forward,
+            backward,
+            predicted: None,
+            solver: None,
+        }
+    }
+
+    /// Parses a schedule file; node and value ids are checked against a graph by
+    /// [`crate::simulate::simulate`].
+    pub fn from_json(text: &str) -> Result<Schedule> {
+        let raw: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| Error::Schedule(format!("not JSON: {e}")))?;
+        crate::graph::check_header(&raw, SCHEDULE_SCHEMA, FORMAT_VERSION)
+            .map_err(Error::Schedule)?;
+        let file: ScheduleFile =
+            serde_json::from_value(raw).map_err(|e| Error::Schedule(format!("bad field: {e}")))?;
+        Ok(file.schedule)
+    }
+
+    /// The schedule file text.
+    pub fn to_json(&self) -> String {
+        let file = ScheduleFile {
+            schema: SCHEDULE_SCHEMA.to_string(),
+            version: FORMAT_VERSION,
+            schedule: self.clone(),
+        };
+        serde_json::to_string(&file).expect("a schedule always serializes")
+    }
+}

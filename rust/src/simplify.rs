@@ -1,0 +1,260 @@
+//! Folds the raw graph into groups for the solvers: one group per real (allocating) node, with
+//! the view nodes hanging off its storages folded into it.
+//!
+//! View ("alias") nodes allocate nothing, so the solvers never plan them: the expansion
+//! (`expand.rs`) runs a view right before the first op that needs it while its storage is alive.
+//! That keeps backward-tagged views of saved forward tensors out of the forward phase and views
+//! of parameters and tangents (the "preludes") out of the plans altogether.
+
+use crate::graph::{Graph, Phase};
+
+/// One storage produced by a group: the owner value and its bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Storage {
+    /// The value owning the storage.
+    pub owner: usize,
+    pub bytes: u64,
+    /// The group producing it.
+    pub producer: usize,
+    /// Groups using it (directly or through views), ascending.
+    pub users: Vec<usize>,
+    /// A graph output lives in it: once produced it is never freed.
+    pub kept: bool,
+}
+
+/// One real node and the view nodes folded into it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    /// The allocating node.
+    pub real: usize,
+    /// `real` and the view nodes over its storages, in node order.
+    pub members: Vec<usize>,
+    /// Storages needed to run the group, ascending.
+    pub inputs: Vec<usize>,
+    /// Storages the group produces, ascending.
+    pub outputs: Vec<usize>,
+    /// Seconds of all members.
+    pub time: f64,
+    /// Temporary bytes of the real node or of a view run just before it.
+    pub temp_bytes: u64,
+    pub phase: Phase,
+}
+
+/// The graph the solvers see: groups in topological order, forward ones first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimpleGraph {
+    pub groups: Vec<Group>,
+    pub storages: Vec<Storage>,
+    /// Index of the first backward group (`groups.len()` when there is none).
+    pub first_backward: usize,
+    /// Tangent bytes, alive during the whole backward phase.
+    pub tangent_bytes: u64,
+    /// Per value: the storage it lives in, if a group produces that storage.
+    storage_of_value: Vec<Option<usize>>,
+}
+
+impl SimpleGraph {
+    /// The group storage `value` lives in (`None` for graph inputs, tangents and their views).
+    pub fn storage_of(&self, value: usize) -> Option<usize> {
+        self.storage_of_value[value]
+    }
+
+    /// Bytes of the storages `group` produces.
+    pub fn output_bytes(&self, group: usize) -> u64 {
+        self.groups[group]
+            .outputs
+            .iter()
+            .map(|&s| self.storages[s].bytes)
+            .sum()
+    }
+
+    /// Whether `group` reads `storage`.
+    pub fn uses(&self, group: usize, storage: usize) -> bool {
+        self.groups[group].inputs.binary_search(&storage).is_ok()
+    }
+}
+
+/// Builds the [`SimpleGraph`] of a validated graph.
+pub fn simplify(graph: &Graph) -> SimpleGraph {
+    let mut sg = SimpleGraph {
+        groups: Vec::new(),
+        storages: Vec::new(),
+        first_backward: 0,
+        tangent_bytes: graph.tangent_bytes(),
+        storage_of_value: vec![None; graph.values().len()],
+    };
+    for node in graph.nodes().iter().filter(|n| !graph.is_alias_node(n.id)) {
+        add_group(graph, &mut sg, node.id);
+    }
+    for v in graph.values() {
+        sg.storage_of_value[v.id] = sg.storage_of_value[graph.storage_owner(v.id)];
+    }
+    fold_views(graph, &mut sg);
+    link_inputs(graph, &mut sg);
+    mark_kept(graph, &mut sg);
+    sg.first_backward = sg
+        .groups
+        .iter()
+        .position(|g| g.phase == Phase::Backward)
+        .unwrap_or(sg.groups.len());
+    sg
+}
+
+fn add_group(graph: &Graph, sg: &mut SimpleGraph, real: usize) {
+    let g = sg.groups.len();
+    let node = graph.node(real);
+    let owners = node
+        .outputs
+        .iter()
+        .filter(|&&v| graph.value(v).alias_of.is_none());
+    let mut outputs = Vec::new();
+    for &owner in owners {
+        sg.storage_of_value[owner] = Some(sg.storages.len());
+        outputs.push(sg.storages.len());
+        let bytes = graph.counted_bytes(owner);
+        sg.storages.push(Storage {
+            owner,
+            bytes,
+            producer: g,
+            users: Vec::new(),
+            kept: false,
+        });
+    }
+    sg.groups.push(Group {
+        real,
+        members: vec![real],
+        inputs: Vec::new(),
+        outputs,
+        time: node.time,
+        temp_bytes: node.temp_bytes,
+        phase: node.phase,
+    });
+}
+
+/// Adds each view node to the group producing the storage it views (for time accounting).
+fn fold_views(graph: &Graph, sg: &mut SimpleGraph) {
+    for node in graph.nodes().iter().filter(|n| graph.is_alias_node(n.id)) {
+        let Some(s) = sg.storage_of(node.outputs[0]) else {
+            continue;
+        };
+        let g = sg.storages[s].producer;
+        let group = &mut sg.groups[g];
+        group.members.push(node.id);
+        group.time += node.time;
+    }
+}
+
+/// Sets each group's input storages (seen through views) and each storage's users; a view run
+/// on demand before the real node charges its temporary bytes to the group.
+fn link_inputs(graph: &Graph, sg: &mut SimpleGraph) {
+    let reach = ViewReach::new(graph, sg);
+    for g in 0..sg.groups.len() {
+        let real = graph.node(sg.groups[g].real);
+        let mut inputs: Vec<usize> = real
+            .inputs
+            .iter()
+            .flat_map(|&v| reach.storages[v].iter().copied())
+            .collect();
+        inputs.sort_unstable();
+        inputs.dedup();
+        let view_temp = real
+            .inputs
+            .iter()
+            .map(|&v| reach.temp[v])
+            .max()
+            .unwrap_or(0);
+        for &s in &inputs {
+            sg.storages[s].users.push(g);
+        }
+        let group = &mut sg.groups[g];
+        group.temp_bytes = group.temp_bytes.max(view_temp);
+        group.inputs = inputs;
+    }
+}
+
+/// Per value: the group storages it needs alive (its own, and those of the inputs of the views
+/// producing it), and the largest temporary bytes of those views.
+struct ViewReach {
+    storages: Vec<Vec<usize>>,
+    temp: Vec<u64>,
+}
+
+impl ViewReach {
+    fn new(graph: &Graph, sg: &SimpleGraph) -> ViewReach {
+        let n = graph.values().len();
+        let mut reach = ViewReach {
+            storages: vec![Vec::new(); n],
+            temp: vec![0; n],
+        };
+        for v in 0..n {
+            reach.storages[v].extend(sg.storage_of(v));
+        }
+        // Node order is topological, so a view's inputs are final before its outputs.
+        for node in graph.nodes().iter().filter(|n| graph.is_alias_node(n.id)) {
+            let mut needs: Vec<usize> = node
+                .inputs
+                .iter()
+                .flat_map(|&v| reach.storages[v].clone())
+                .collect();
+            let temp = node
+                .inputs
+                .iter()
+                .map(|&v| reach.temp[v])
+                .fold(node.temp_bytes, u64::max);
+            for &out in &node.outputs {
+                needs.extend(sg.storage_of(out));
+                let mut own = needs.clone();
+                own.sort_unstable();
+                own.dedup();
+                reach.storages[out] = own;
+                reach.temp[out] = temp;
+            }
+        }
+        reach
+    }
+}
+
+fn mark_kept(graph: &Graph, sg: &mut SimpleGraph) {
+    for out in graph.outputs() {
+        if let Some(s) = sg.storage_of(out.value) {
+            sg.storages[s].kept = true;
+        }
+    }
+}
+
+impl SimpleGraph {
+    /// Whether `group` may run again after its first run: only forward groups (backward ones
+    /// run once), and only if no graph output lives in its storages (those are never freed, and a
+    /// node cannot run while one of its outputs is alive).
+    pub fn recomputable(&self, group: usize) -> bool {
+        let g = &self.groups[group];
+        g.phase == Phase::Forward && g.outputs.iter().all(|&s| !self.storages[s].kept)
+    }
+
+    /// Per storage: the last stage that may need it alive (its last user, or the last stage
+    /// that may recompute one of its users); kept storages are needed to the end.
+    pub fn last_stages(&self) -> Vec<usize> {
+        let n = self.groups.len();
+        let mut last = vec![0; self.storages.len()];
+        let mut need_until = vec![0; n];
+        for g in (0..n).rev() {
+            for &s in &self.groups[g].outputs {
+                let st = &self.storages[s];
+                let by_users = st.users.iter().map(|&j| need_until[j]).max().unwrap_or(g);
+                last[s] = if st.kept { n - 1 } else { by_users };
+            }
+            let outputs_needed = self.groups[g]
+                .outputs
+                .iter()
+                .map(|&s| last[s])
+                .max()
+                .unwrap_or(g);
+            need_until[g] = if self.recomputable(g) {
+                outputs_needed.max(g)
+            } else {
+                g
+            };
+        }
+        last
+    }
+}

@@ -1,0 +1,205 @@
+//! The one simulator: replays a schedule on its graph, checks every rule of
+//! `docs/formats.md` and measures peak activation memory and time. Every solver's schedule goes
+//! through it before it is returned.
+
+use crate::error::{Error, Result};
+use crate::graph::{Graph, Phase, ValueKind};
+use crate::schedule::{Op, Schedule};
+use serde::{Deserialize, Serialize};
+
+/// What a schedule costs, as replayed by [`simulate`].
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Report {
+    /// Peak activation memory over the whole step (bytes).
+    pub peak_bytes: u64,
+    pub forward_peak_bytes: u64,
+    pub backward_peak_bytes: u64,
+    /// Sum of node times over all compute ops (seconds).
+    pub time: f64,
+    /// Time of the runs beyond the first of each node (seconds).
+    pub recomputed_time: f64,
+}
+
+/// Replays `schedule` on `graph`; an invalid op is an [`Error::Schedule`] naming the op and why.
+pub fn simulate(graph: &Graph, schedule: &Schedule) -> Result<Report> {
+    let mut state = State::new(graph);
+    let forward_peak = state.run_phase(Phase::Forward, &schedule.forward)?;
+    state.check_outputs_alive(Phase::Forward)?;
+    state.start_backward();
+    let backward_peak = state.run_phase(Phase::Backward, &schedule.backward)?;
+    state.check_outputs_alive(Phase::Backward)?;
+    Ok(state.report(forward_peak, backward_peak))
+}
+
+struct State<'g> {
+    graph: &'g Graph,
+    alive: Vec<bool>,
+    /// Per storage owner: how many of its values are alive.
+    live_values: Vec<u32>,
+    bytes: u64,
+    runs: Vec<u32>,
+}
+
+impl<'g> State<'g> {
+    fn new(graph: &'g Graph) -> State<'g> {
+        let n = graph.values().len();
+        let mut state = State {
+            graph,
+            alive: vec![false; n],
+            live_values: vec![0; n],
+            bytes: 0,
+            runs: vec![0; graph.nodes().len()],
+        };
+        for v in graph.values().iter().filter(|v| v.kind.is_graph_input()) {
+            state.make_alive(v.id);
+        }
+        state
+    }
+
+    fn start_backward(&mut self) {
+        let tangents = self
+            .graph
+            .values()
+            .iter()
+            .filter(|v| v.kind == ValueKind::Tangent);
+        for v in tangents.map(|v| v.id).collect::<Vec<_>>() {
+            self.make_alive(v);
+        }
+    }
+
+    fn make_alive(&mut self, value: usize) {
+        let owner = self.graph.storage_owner(value);
+        self.alive[value] = true;
+        if self.live_values[owner] == 0 {
+            self.bytes += self.graph.counted_bytes(owner);
+        }
+        self.live_values[owner] += 1;
+    }
+
+    fn make_dead(&mut self, value: usize) {
+        let owner = self.graph.storage_owner(value);
+        self.alive[value] = false;
+        self.live_values[owner] -= 1;
+        if self.live_values[owner] == 0 {
+            self.bytes -= self.graph.counted_bytes(owner);
+        }
+    }
+
+    /// Runs one phase's ops; returns the phase's peak (starting from what is alive at its start).
+    fn run_phase(&mut self, phase: Phase, ops: &[Op]) -> Result<u64> {
+        let mut peak = self.bytes;
+        for (i, op) in ops.iter().enumerate() {
+            let at = || format!("{} op {i} ({op})", phase_name(phase));
+            match *op {
+                Op::Compute { node } => {
+                    peak = peak.max(self.compute(phase, node).map_err(|e| fail(at(), e))?)
+                }
+                Op::Free { value } => self.free(value).map_err(|e| fail(at(), e))?,
+            }
+        }
+        Ok(peak)
+    }
+
+    /// Runs `node`; returns the memory it needs (outputs allocated, plus its temporaries).
+    fn compute(&mut self, phase: Phase, node: usize) -> std::result::Result<u64, String> {
+        let graph = self.graph;
+        let n = graph
+            .nodes()
+            .get(node)
+            .ok_or_else(|| format!("unknown node {node}"))?;
+        if n.phase == Phase::Backward && phase == Phase::Forward {
+            return Err(format!(
+                "backward node {node} ({}) in the forward phase",
+                n.name
+            ));
+        }
+        if let Some(&v) = n.inputs.iter().find(|&&v| !self.alive[v]) {
+            let name = &graph.value(v).name;
+            return Err(format!(
+                "node {node} ({}) needs {v} ({name}), which is not alive",
+                n.name
+            ));
+        }
+        if let Some(&v) = n.outputs.iter().find(|&&v| self.alive[v]) {
+            let name = &graph.value(v).name;
+            return Err(format!(
+                "node {node} ({}) outputs {v} ({name}), which is already alive",
+                n.name
+            ));
+        }
+        n.outputs.iter().for_each(|&v| self.make_alive(v));
+        self.runs[node] += 1;
+        Ok(self.bytes + n.temp_bytes)
+    }
+
+    fn free(&mut self, value: usize) -> std::result::Result<(), String> {
+        let v = self
+            .graph
+            .values()
+            .get(value)
+            .ok_or_else(|| format!("unknown value {value}"))?;
+        let why_not = if !self.alive[value] {
+            Some("it is not alive")
+        } else if v.kind != ValueKind::Activation {
+            Some("graph inputs and tangents are never freed")
+        } else if self.graph.is_output(value) {
+            Some("graph outputs are never freed")
+        } else {
+            None
+        };
+        match why_not {
+            Some(why) => Err(format!("cannot free {value} ({}): {why}", v.name)),
+            None => {
+                self.make_dead(value);
+                Ok(())
+            }
+        }
+    }
+
+    fn check_outputs_alive(&self, phase: Phase) -> Result<()> {
+        let wanted = |v: usize| match phase {
+            Phase::Forward => self.graph.is_forward_output(v),
+            Phase::Backward => self.graph.is_grad_output(v),
+        };
+        let missing = self
+            .graph
+            .outputs()
+            .iter()
+            .map(|o| o.value)
+            .find(|&v| wanted(v) && !self.alive[v]);
+        match missing {
+            Some(v) => Err(Error::Schedule(format!(
+                "output {v} ({}) is not alive at the end of the {} phase",
+                self.graph.value(v).name,
+                phase_name(phase)
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn report(&self, forward_peak_bytes: u64, backward_peak_bytes: u64) -> Report {
+        let (mut time, mut recomputed_time) = (0.0, 0.0);
+        for (node, &runs) in self.graph.nodes().iter().zip(&self.runs) {
+            time += node.time * f64::from(runs);
+            recomputed_time += node.time * f64::from(runs.saturating_sub(1));
+        }
+        Report {
+            peak_bytes: forward_peak_bytes.max(backward_peak_bytes),
+            forward_peak_bytes,
+            backward_peak_bytes,
+            time,
+            recomputed_time,
+        }
+    }
+}
+
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Forward => "forward",
+        Phase::Backward => "backward",
+    }
+}
+
+fn fail(at: String, why: String) -> Error {
+    Error::Schedule(format!("{at}: {why}"))
+}

@@ -1,0 +1,138 @@
+//! Hand-built joint graphs for the tests.
+#![allow(dead_code)]
+
+use remat::graph::{Graph, Node, Output, OutputKind, Phase, Value, ValueKind};
+
+/// Builds a graph value by value and node by node, in order.
+#[derive(Default)]
+pub struct Builder {
+    values: Vec<Value>,
+    nodes: Vec<Node>,
+    outputs: Vec<Output>,
+}
+
+impl Builder {
+    pub fn value(
+        &mut self,
+        name: &str,
+        bytes: u64,
+        kind: ValueKind,
+        alias_of: Option<usize>,
+    ) -> usize {
+        let id = self.values.len();
+        self.values.push(Value {
+            id,
+            name: name.into(),
+            bytes,
+            kind,
+            alias_of,
+        });
+        id
+    }
+
+    pub fn input(&mut self, name: &str) -> usize {
+        self.value(name, 1000, ValueKind::Input, None)
+    }
+
+    pub fn param(&mut self, name: &str) -> usize {
+        self.value(name, 1000, ValueKind::Param, None)
+    }
+
+    pub fn tangent(&mut self, name: &str, bytes: u64) -> usize {
+        self.value(name, bytes, ValueKind::Tangent, None)
+    }
+
+    /// A node producing one new activation per entry of `out_bytes`.
+    pub fn node(
+        &mut self,
+        name: &str,
+        phase: Phase,
+        inputs: &[usize],
+        out_bytes: &[u64],
+        time: f64,
+    ) -> Vec<usize> {
+        let outputs: Vec<usize> = out_bytes
+            .iter()
+            .enumerate()
+            .map(|(k, &b)| self.value(&format!("{name}.{k}"), b, ValueKind::Activation, None))
+            .collect();
+        self.push_node(name, phase, inputs, &outputs, time);
+        outputs
+    }
+
+    /// A view node: its output aliases the storage of `input`.
+    pub fn view(&mut self, name: &str, phase: Phase, input: usize) -> usize {
+        let owner = self.values[input].alias_of.unwrap_or(input);
+        let out = self.value(name, 0, ValueKind::Activation, Some(owner));
+        self.push_node(name, phase, &[input], &[out], 0.0);
+        out
+    }
+
+    fn push_node(
+        &mut self,
+        name: &str,
+        phase: Phase,
+        inputs: &[usize],
+        outputs: &[usize],
+        time: f64,
+    ) {
+        let id = self.nodes.len();
+        self.nodes.push(Node {
+            id,
+            name: name.into(),
+            target: format!("aten.{name}"),
+            phase,
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
+            time,
+            temp_bytes: 0,
+            random: false,
+        });
+    }
+
+    pub fn set_temp(&mut self, node: usize, bytes: u64) {
+        self.nodes[node].temp_bytes = bytes;
+    }
+
+    pub fn last_node(&self) -> usize {
+        self.nodes.len() - 1
+    }
+
+    pub fn output(&mut self, value: usize, kind: OutputKind) {
+        self.outputs.push(Output { value, kind });
+    }
+
+    pub fn build(self) -> Graph {
+        Graph::new("test", self.values, self.nodes, self.outputs).expect("a valid test graph")
+    }
+}
+
+/// A chain of forward layers (`f_i`: `a_{i-1}` → `a_i` of `sizes[i]` bytes, `times[i]` s),
+/// `a_last` a forward output, and the backward of each layer taking the incoming gradient
+/// (1 byte) and the layer's saved input, producing the next gradient and a weight gradient
+/// (a grad output of 0 bytes). The tangent has 1 byte; backward nodes take 1 s each.
+pub fn chain(sizes: &[u64], times: &[f64]) -> Graph {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let mut acts = Vec::new();
+    for (i, (&size, &time)) in sizes.iter().zip(times).enumerate() {
+        let prev = if i == 0 { x } else { acts[i - 1] };
+        acts.push(b.node(&format!("f{i}"), Phase::Forward, &[prev], &[size], time)[0]);
+    }
+    let last = *acts.last().expect("at least one layer");
+    b.output(last, OutputKind::Forward);
+    let mut grad = b.tangent("tangent", 1);
+    for i in (0..sizes.len()).rev() {
+        let saved = if i == 0 { x } else { acts[i - 1] };
+        let outs = b.node(
+            &format!("b{i}"),
+            Phase::Backward,
+            &[grad, saved],
+            &[1, 0],
+            1.0,
+        );
+        b.output(outs[1], OutputKind::Grad);
+        grad = outs[0];
+    }
+    b.build()
+}

@@ -1,0 +1,245 @@
+//! The planner: reference schedules, the ILP on graphs whose optimum is known, and properties
+//! on random small joint graphs.
+
+mod common;
+
+use common::{chain, Builder};
+use proptest::prelude::*;
+use remat::graph::{OutputKind, Phase};
+use remat::plan::{min_memory, store_all};
+use remat::{budget_range, plan, simulate, Error, Graph, PlanOptions, Schedule, SolverStatus};
+
+const EXACT: PlanOptions = PlanOptions {
+    time_limit: 30.0,
+    mip_gap: 0.0,
+};
+
+/// Four layers of 10 B; f0 is the cheapest (1 s), the others take 5 s; 4 backward nodes of 1 s.
+/// Plain PyTorch peaks at 42 B at the first backward node (4 activations, tangent, gradient);
+/// keep-nothing peaks at 32 B; anything in between needs one recomputation, of f0 at best.
+fn four_layers() -> Graph {
+    chain(&[10, 10, 10, 10], &[1.0, 5.0, 5.0, 5.0])
+}
+
+const BASE_TIME: f64 = 1.0 + 5.0 + 5.0 + 5.0 + 4.0;
+
+fn report(schedule: &Schedule) -> remat::Report {
+    schedule.predicted.expect("planned schedules are simulated")
+}
+
+/// Checks what every planned schedule must satisfy and returns its report.
+fn check_plan(graph: &Graph, budget: u64, options: &PlanOptions) -> remat::Report {
+    let schedule = plan(graph, budget, options).unwrap();
+    let replay = simulate(graph, &Schedule::from_json(&schedule.to_json()).unwrap()).unwrap();
+    assert_eq!(
+        Some(replay),
+        schedule.predicted,
+        "the prediction is the simulator's replay"
+    );
+    assert!(
+        replay.peak_bytes <= budget,
+        "peak {} over budget {budget}",
+        replay.peak_bytes
+    );
+    let solver = schedule.solver.as_ref().unwrap();
+    assert_eq!(solver.budget, budget);
+    assert_ne!(
+        solver.status,
+        SolverStatus::Fallback,
+        "tiny ILPs are solved"
+    );
+    replay
+}
+
+#[test]
+fn budget_range_of_the_chain() {
+    assert_eq!(budget_range(&four_layers()).unwrap(), (32, 42));
+}
+
+#[test]
+fn reference_schedules_of_the_chain() {
+    let g = four_layers();
+    let plain = report(&store_all(&g).unwrap());
+    assert_eq!(
+        (plain.peak_bytes, plain.time, plain.recomputed_time),
+        (42, BASE_TIME, 0.0)
+    );
+    let lowest = report(&min_memory(&g).unwrap());
+    assert_eq!(lowest.peak_bytes, 32);
+    assert!(lowest.time > BASE_TIME);
+}
+
+#[test]
+fn a_budget_fitting_plain_pytorch_recomputes_nothing() {
+    let g = four_layers();
+    let schedule = plan(&g, u64::MAX, &EXACT).unwrap();
+    assert_eq!(
+        schedule.solver.as_ref().unwrap().status,
+        SolverStatus::Optimal
+    );
+    assert_eq!(report(&schedule).time, BASE_TIME);
+    assert_eq!(report(&schedule).recomputed_time, 0.0);
+}
+
+#[test]
+fn the_ilp_alone_matches_plain_pytorch_when_memory_is_unlimited() {
+    let g = four_layers();
+    let sg = remat::simplify::simplify(&g);
+    let options = remat::ilp::SolveOptions {
+        time_limit: 10.0,
+        mip_gap: 0.0,
+    };
+    let solved = remat::ilp::solve(&sg, 1_000_000, options, None)
+        .unwrap()
+        .unwrap();
+    let schedule = remat::expand::schedule_of(&g, &sg, &solved.plan).unwrap();
+    assert_eq!(simulate(&g, &schedule).unwrap().time, BASE_TIME);
+    assert_eq!(solved.status, SolverStatus::Optimal);
+}
+
+#[test]
+fn one_cheap_recomputation_between_the_extremes() {
+    let g = four_layers();
+    for budget in [41, 36, 32] {
+        let r = check_plan(&g, budget, &EXACT);
+        assert_eq!(
+            (r.time, r.recomputed_time),
+            (BASE_TIME + 1.0, 1.0),
+            "budget {budget}"
+        );
+    }
+}
+
+#[test]
+fn below_the_minimum_the_budget_is_infeasible() {
+    let err = plan(&four_layers(), 31, &EXACT).unwrap_err();
+    assert_eq!(
+        err,
+        Error::Infeasible {
+            budget: 31,
+            min_budget: 32
+        }
+    );
+}
+
+#[test]
+fn bad_options_are_solver_errors() {
+    let g = four_layers();
+    let bad_gap = PlanOptions {
+        time_limit: 1.0,
+        mip_gap: -1.0,
+    };
+    assert!(matches!(plan(&g, 40, &bad_gap), Err(Error::Solver(_))));
+    let bad_time = PlanOptions {
+        time_limit: 0.0,
+        mip_gap: 0.0,
+    };
+    assert!(matches!(plan(&g, 40, &bad_time), Err(Error::Solver(_))));
+}
+
+/// Views everywhere: of a parameter (forward), of an activation feeding the next layer, of a
+/// saved activation taken in the backward phase, of the tangent, and a view as forward output.
+fn with_views() -> Graph {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let w = b.param("w");
+    let wt = b.view("w_t", Phase::Forward, w);
+    let a0 = b.node("f0", Phase::Forward, &[x, wt], &[10], 1.0)[0];
+    let a0v = b.view("a0_view", Phase::Forward, a0);
+    let a1 = b.node("f1", Phase::Forward, &[a0v], &[10], 2.0)[0];
+    let a2 = b.node("f2", Phase::Forward, &[a1], &[10], 3.0)[0];
+    let out = b.view("out_view", Phase::Forward, a2);
+    b.output(out, OutputKind::Forward);
+    let t = b.tangent("t", 1);
+    let tv = b.view("t_view", Phase::Backward, t);
+    let g2 = b.node("b2", Phase::Backward, &[tv, a1], &[1, 0], 1.0);
+    b.output(g2[1], OutputKind::Grad);
+    let a0t = b.view("a0_t", Phase::Backward, a0v);
+    let g1 = b.node("b1", Phase::Backward, &[g2[0], a0t], &[1, 0], 1.0);
+    b.output(g1[1], OutputKind::Grad);
+    let wt2 = b.view("w_t2", Phase::Backward, w);
+    let g0 = b.node("b0", Phase::Backward, &[g1[0], wt2, x], &[1, 0], 1.0);
+    b.output(g0[1], OutputKind::Grad);
+    b.build()
+}
+
+#[test]
+fn views_are_run_where_needed_at_every_budget() {
+    let g = with_views();
+    let (lo, hi) = budget_range(&g).unwrap();
+    assert!(lo < hi, "{lo} {hi}");
+    for budget in lo..=hi {
+        check_plan(&g, budget, &EXACT);
+    }
+}
+
+/// A random joint graph: `layers` forward nodes, each reading one or two earlier values (some
+/// through views), and one backward node per layer reading the running gradient and the
+/// layer's saved inputs.
+fn random_graph(layers: &[(u64, u64, usize, usize, bool)], tangent: u64) -> Graph {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let mut pool = vec![x];
+    let mut saved = Vec::new();
+    for (i, &(bytes, time, first, second, view)) in layers.iter().enumerate() {
+        let mut inputs = vec![pool[first % pool.len()]];
+        let other = pool[second % pool.len()];
+        if !inputs.contains(&other) {
+            inputs.push(other);
+        }
+        let a = b.node(
+            &format!("f{i}"),
+            Phase::Forward,
+            &inputs,
+            &[bytes],
+            time as f64,
+        )[0];
+        pool.push(if view {
+            b.view(&format!("v{i}"), Phase::Forward, a)
+        } else {
+            a
+        });
+        saved.push(inputs);
+    }
+    b.output(*pool.last().unwrap(), OutputKind::Forward);
+    let mut grad = b.tangent("t", tangent);
+    for (i, inputs) in saved.iter().enumerate().rev() {
+        let needs: Vec<usize> = std::iter::once(grad)
+            .chain(inputs.iter().copied())
+            .collect();
+        let outs = b.node(
+            &format!("b{i}"),
+            Phase::Backward,
+            &needs,
+            &[1 + i as u64, 0],
+            1.0,
+        );
+        b.output(outs[1], OutputKind::Grad);
+        grad = outs[0];
+    }
+    b.build()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn plans_fit_their_budget_and_sit_between_the_references(
+        layers in prop::collection::vec((1u64..40, 1u64..6, 0usize..8, 0usize..8, any::<bool>()), 1..=6),
+        tangent in 1u64..8,
+        fraction in 0.0f64..=1.0,
+    ) {
+        let g = random_graph(&layers, tangent);
+        let (lo, hi) = budget_range(&g).unwrap();
+        prop_assert!(lo <= hi);
+        let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+        let r = check_plan(&g, budget, &EXACT);
+        let plain = report(&store_all(&g).unwrap());
+        let lowest = report(&min_memory(&g).unwrap());
+        prop_assert!(r.time >= plain.time - 1e-9, "{} < plain {}", r.time, plain.time);
+        if lowest.peak_bytes <= budget {
+            prop_assert!(r.time <= lowest.time + 1e-9, "{} > keep-nothing {}", r.time, lowest.time);
+        }
+        let below = plan(&g, lo.saturating_sub(1), &EXACT);
+        prop_assert!(lo == 0 || matches!(below, Err(Error::Infeasible { .. })), "{:?}", below);
+    }
+}

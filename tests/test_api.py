@@ -1,0 +1,135 @@
+"""The user's flow around a wrapped model: training loops, output types, eval mode and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import remat
+import torch
+from helpers import budget_at, call, default_loss
+from models import cnn, gpt2, mlp
+from torch import nn
+
+
+def _train(runner: nn.Module, model: nn.Module, sample, steps: int) -> list[float]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad()
+        loss = default_loss(call(runner, sample))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("factory", [gpt2, cnn], ids=["gpt2", "cnn"])
+def test_several_optimizer_steps_match_plain_pytorch(factory) -> None:
+    torch.manual_seed(0)
+    model, sample = factory()
+    reference = copy.deepcopy(model)
+    rm = remat.Remat(model, sample, budget_at(model, sample, 0.3))
+    assert rm.schedule["predicted"]["recomputed_time"] > 0, "a budget of half the peak should recompute"
+    got = _train(rm, model, sample, steps=3)
+    want = _train(reference, reference, sample, steps=3)
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class TupleDictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0):
+        h = torch.tanh(self.a(x))
+        return {"h": h * scale, "pair": (self.b(h), x.shape[0]), "none": None}
+
+
+def test_structured_outputs_and_keyword_samples() -> None:
+    torch.manual_seed(0)
+    model = TupleDictModel()
+    sample = {"x": torch.randn(5, 8), "scale": 2.0}
+    rm = remat.Remat(model, sample, budget_at(model, sample, 0.5))
+    out, want = rm(**sample), model(**sample)
+    assert set(out) == {"h", "pair", "none"} and out["none"] is None and out["pair"][1] == 5
+    torch.testing.assert_close(out["pair"][0], want["pair"][0])
+    default_loss(out).backward()
+    assert model.a.weight.grad is not None
+
+
+def test_hf_model_output_is_rebuilt() -> None:
+    torch.manual_seed(0)
+    model, sample = gpt2()
+    rm = remat.Remat(model, sample, budget_at(model, sample, 0.5))
+    out = rm(sample)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert out.logits.shape == (*sample.shape, 512)
+    out.logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_eval_mode_and_no_grad_run_the_plain_model() -> None:
+    torch.manual_seed(0)
+    model, sample = mlp()
+    rm = remat.Remat(model, sample, budget_at(model, sample, 0.5))
+    rm.eval()
+    other = torch.randn(3, 64)  # another shape is fine when not training
+    torch.testing.assert_close(rm(other), model(other))
+    rm.train()
+    with torch.no_grad():
+        torch.testing.assert_close(rm(other), model(other))
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one() -> None:
+    torch.manual_seed(0)
+    model, sample = mlp()
+    with pytest.raises(remat.InfeasibleBudget) as info:
+        remat.Remat(model, sample, 1)
+    smallest = info.value.min_budget
+    assert smallest > 1 and str(smallest) in str(info.value)
+    rm = remat.Remat(model, sample, smallest)  # the named budget is feasible
+    assert rm.schedule["predicted"]["peak_bytes"] <= smallest
+    with pytest.raises(remat.InfeasibleBudget):
+        remat.Remat(model, sample, smallest - 1024)
+
+
+def test_call_with_other_shapes_raises() -> None:
+    torch.manual_seed(0)
+    model, sample = mlp()
+    rm = remat.Remat(model, sample, None)
+    with pytest.raises(remat.InputMismatch, match=r"\[16, 64\]"):
+        rm(torch.randn(16, 64))
+
+
+def test_sample_on_another_device_raises() -> None:
+    model, _ = mlp()
+    with pytest.raises(remat.DeviceMismatch, match="meta"):
+        remat.Remat(model, torch.randn(4, 64, device="meta"), 0.5)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lin(x).sum() > 0:  # control flow on a tensor's value: not capturable
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def test_uncapturable_model_raises_capture_error() -> None:
+    with pytest.raises(remat.CaptureError, match="DataDependent"):
+        remat.Remat(DataDependent(), torch.randn(2, 4), 0.5)
+
+
+def test_bad_arguments_raise_value_errors() -> None:
+    model, sample = mlp()
+    with pytest.raises(ValueError, match="solver"):
+        remat.Remat(model, sample, 0.5, solver="gurobi")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        remat.Remat(model, sample, 1.5)
