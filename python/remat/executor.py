@@ -126,14 +126,12 @@ def _emit(
         node = g.nodes[op["node"]]
         args, kwargs = fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
         target = node.fx_node.target
-        if node.id in replayed:
-            device = _device_of(node)
-            if node.id not in states:
-                states[node.id] = _call(graph, save_rng_state, (device,), {}, "rng_state")
-            result = _call(
-                graph, run_with_rng_state, (states[node.id], device, target, *args), kwargs, node.fx_node.name
-            )
+        if node.id in replayed and node.id in states:  # a replay: same random numbers as the first run
+            replay_args = (states[node.id], _device_of(node), target, *args)
+            result = _call(graph, run_with_rng_state, replay_args, kwargs, node.fx_node.name)
         else:
+            if node.id in replayed:  # the first run draws from the caller's generator, as plain PyTorch
+                states[node.id] = _call(graph, save_rng_state, (_device_of(node),), {}, "rng_state")
             result = _call(graph, target, args, kwargs, node.fx_node.name)
         for vid in node.outputs:
             index = g.values[vid].index
