@@ -1,0 +1,68 @@
+//! `remat-plan GRAPH.json BUDGET [--time-limit SECONDS] [--mip-gap GAP]`
+//!
+//! Reads a graph file (`docs/formats.md`), plans it under BUDGET (bytes, or a fraction in (0, 1]
+//! of plain PyTorch's peak) and prints the schedule as JSON. The crate without Python.
+
+use remat::{budget_range, plan, Graph, PlanOptions};
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: remat-plan GRAPH.json BUDGET [--time-limit SECONDS] [--mip-gap GAP]\n\
+                     BUDGET: bytes, or a fraction in (0, 1] of plain PyTorch's peak";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(schedule) => {
+            println!("{schedule}");
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("remat-plan: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<String, String> {
+    let mut positional = Vec::new();
+    let mut options = PlanOptions::default();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--time-limit" => options.time_limit = number(it.next(), arg)?,
+            "--mip-gap" => options.mip_gap = number(it.next(), arg)?,
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            _ => positional.push(arg.as_str()),
+        }
+    }
+    let [path, budget] = positional[..] else {
+        return Err(USAGE.to_string());
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let graph = Graph::from_json(&text).map_err(|e| e.to_string())?;
+    let budget = bytes(&graph, budget)?;
+    let schedule = plan(&graph, budget, &options).map_err(|e| e.to_string())?;
+    Ok(schedule.to_json())
+}
+
+fn number(value: Option<&String>, flag: &str) -> Result<f64, String> {
+    value
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("{flag} needs a number\n{USAGE}"))
+}
+
+/// BUDGET as bytes: an integer is bytes, a number in (0, 1] a fraction of the plain peak.
+fn bytes(graph: &Graph, budget: &str) -> Result<u64, String> {
+    if let Ok(b) = budget.parse::<u64>() {
+        return Ok(b);
+    }
+    match budget.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => {
+            let (_, plain) = budget_range(graph).map_err(|e| e.to_string())?;
+            Ok((f * plain as f64) as u64)
+        }
+        _ => Err(format!(
+            "BUDGET must be bytes or a fraction in (0, 1], got {budget}"
+        )),
+    }
+}
