@@ -21,13 +21,13 @@ def main() -> None:
     parser.add_argument("--budget", type=float, nargs="+", default=[0.5], help="fractions of plain's peak")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=args.layers, n_embd=128, n_head=4, vocab_size=8192, n_positions=args.seq)
+    config = GPT2Config(n_layer=args.layers, n_embd=256, n_head=4, vocab_size=2048, n_positions=args.seq)
     config.bos_token_id = config.eos_token_id = 0
     base = GPT2LMHeadModel(config).to(args.device).train()
     ids = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
