@@ -2,13 +2,13 @@
 //! keep-nothing recomputation (`min_memory`).
 
 use crate::expand::{Stage, StagePlan};
-use crate::simplify::SimpleGraph;
+use crate::simplify::{Hold, Recompute, SimpleGraph};
 
 /// Plain PyTorch: each group runs once; each storage is freed after its last user.
 pub fn store_all(sg: &SimpleGraph) -> StagePlan {
     let alive_after = |t: usize, s: usize| {
-        let st = &sg.storages[s];
-        st.producer <= t && (st.kept || st.users.last().is_some_and(|&u| u > t))
+        let used_later = sg.storages[s].users.last().is_some_and(|&u| u > t);
+        sg.forced_alive(s, t + 1).unwrap_or(used_later)
     };
     let stages = (0..sg.groups.len())
         .map(|t| Stage {
@@ -23,21 +23,21 @@ pub fn store_all(sg: &SimpleGraph) -> StagePlan {
 /// of groups with a graph output); each stage recomputes the forward ancestors it needs and
 /// frees each storage right after its last use.
 pub fn min_memory(sg: &SimpleGraph) -> StagePlan {
-    keep_set(sg, &vec![false; sg.storages.len()])
+    keep_set(sg, &vec![false; sg.storages.len()], Recompute::Anywhere)
 }
 
 /// Like [`min_memory`], but the storages marked in `keep` also stay alive from their production
 /// to the last stage that may need them, and so do the other outputs of their group (a group
-/// cannot run again while one of its outputs is alive).
-pub fn keep_set(sg: &SimpleGraph, keep: &[bool]) -> StagePlan {
-    let last = sg.last_stages();
+/// cannot run again while one of its outputs is alive). Under [`Recompute::Lazy`] the forward
+/// phase recomputes nothing: each storage stays alive at least until its last forward user.
+pub fn keep_set(sg: &SimpleGraph, keep: &[bool], scope: Recompute) -> StagePlan {
+    let stage_runs = sg.stage_runs(scope);
     let held_group: Vec<bool> = (0..sg.groups.len())
         .map(|g| !sg.recomputable(g) || sg.groups[g].outputs.iter().any(|&s| keep[s]))
         .collect();
     let entering = |t: usize, s: usize| {
-        let st = &sg.storages[s];
-        let held = held_group[st.producer];
-        st.producer < t && (st.kept || (held && t <= last[s]))
+        let held = held_group[sg.storages[s].producer] && t <= stage_runs.last_use[s];
+        stage_runs.forced_alive(sg, s, t).unwrap_or(held)
     };
     let stages = (0..sg.groups.len())
         .map(|t| Stage {
@@ -51,7 +51,10 @@ pub fn keep_set(sg: &SimpleGraph, keep: &[bool]) -> StagePlan {
 /// Recomputable storages, cheapest to drop first: most bytes per second of recomputing them.
 pub fn drop_order(sg: &SimpleGraph) -> Vec<usize> {
     let mut order: Vec<usize> = (0..sg.storages.len())
-        .filter(|&s| sg.recomputable(sg.storages[s].producer))
+        .filter(|&s| {
+            let st = &sg.storages[s];
+            st.hold == Hold::Planned && sg.recomputable(st.producer)
+        })
         .collect();
     let score = |s: usize| {
         let st = &sg.storages[s];

@@ -9,7 +9,7 @@
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Phase, ValueKind};
 use crate::schedule::{Op, Schedule};
-use crate::simplify::SimpleGraph;
+use crate::simplify::{Hold, SimpleGraph};
 
 /// What one stage runs and keeps.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,9 +89,18 @@ impl<'a> Emitter<'a> {
     /// satisfies `done`.
     fn free_where(&mut self, stage: &Stage, candidates: &[usize], done: impl Fn(usize) -> bool) {
         for &s in candidates {
-            if self.live_storage[s] && !stage.keep[s] && !self.sg.storages[s].kept && done(s) {
+            if self.live_storage[s] && !stage.keep[s] && !self.held(s) && done(s) {
                 self.free_storage(s);
             }
+        }
+    }
+
+    /// Graph outputs are never freed, buffer updates not in the forward phase.
+    fn held(&self, s: usize) -> bool {
+        match self.sg.storages[s].hold {
+            Hold::Planned => false,
+            Hold::ForwardPhase => self.phase == Phase::Forward,
+            Hold::Step => true,
         }
     }
 
@@ -157,7 +166,8 @@ impl<'a> Emitter<'a> {
     }
 
     fn end_forward(&mut self) -> Result<()> {
-        self.ensure_outputs(|g, v| g.is_forward_output(v))?;
+        self.ensure_outputs(|g, v| g.is_forward_output(v) || g.is_buffer_output(v))?;
+        self.release_buffer_updates();
         self.forward = std::mem::take(&mut self.ops);
         self.phase = Phase::Backward;
         for v in self
@@ -169,6 +179,24 @@ impl<'a> Emitter<'a> {
             self.alive[v.id] = true;
         }
         Ok(())
+    }
+
+    /// The executor releases buffer updates when the backward phase starts; views of their
+    /// storages are freed at the end of the forward phase so that the storage goes with them.
+    fn release_buffer_updates(&mut self) {
+        for s in 0..self.sg.storages.len() {
+            if self.sg.storages[s].hold != Hold::ForwardPhase || !self.live_storage[s] {
+                continue;
+            }
+            let owner = self.sg.storages[s].owner;
+            for v in self.graph.storage_values(owner) {
+                if self.alive[v] && !self.graph.is_buffer_output(v) {
+                    self.ops.push(Op::Free { value: v });
+                }
+                self.alive[v] = false;
+            }
+            self.live_storage[s] = false;
+        }
     }
 
     fn end_backward(mut self) -> Result<Schedule> {

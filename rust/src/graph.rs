@@ -52,6 +52,9 @@ pub enum Phase {
 pub enum OutputKind {
     Forward,
     Grad,
+    /// A new value of a module buffer (BatchNorm running statistics): alive at the end of the
+    /// forward phase, released when the backward phase starts.
+    Buffer,
 }
 
 /// One tensor of the joint graph.
@@ -108,6 +111,7 @@ struct Index {
     aliases: Vec<Vec<usize>>,
     forward_output: Vec<bool>,
     grad_output: Vec<bool>,
+    buffer_output: Vec<bool>,
 }
 
 /// A validated joint graph.
@@ -219,9 +223,19 @@ impl Graph {
         self.index.grad_output[value]
     }
 
-    /// Whether `value` is a graph output of either kind.
-    pub fn is_output(&self, value: usize) -> bool {
+    /// Whether `value` is a buffer update: alive at the end of the forward phase only.
+    pub fn is_buffer_output(&self, value: usize) -> bool {
+        self.index.buffer_output[value]
+    }
+
+    /// Whether `value` is held to the end of the step (a forward or gradient output).
+    pub fn is_step_output(&self, value: usize) -> bool {
         self.is_forward_output(value) || self.is_grad_output(value)
+    }
+
+    /// Whether `value` is a graph output of any kind.
+    pub fn is_output(&self, value: usize) -> bool {
+        self.is_step_output(value) || self.is_buffer_output(value)
     }
 
     /// A node all of whose outputs are aliases (a view); it allocates nothing.
@@ -281,6 +295,7 @@ impl Index {
             aliases: vec![Vec::new(); n],
             forward_output: vec![false; n],
             grad_output: vec![false; n],
+            buffer_output: vec![false; n],
         };
         for node in &file.nodes {
             node.outputs
@@ -299,6 +314,7 @@ impl Index {
             match out.kind {
                 OutputKind::Forward => index.forward_output[out.value] = true,
                 OutputKind::Grad => index.grad_output[out.value] = true,
+                OutputKind::Buffer => index.buffer_output[out.value] = true,
             }
         }
         index

@@ -5,11 +5,15 @@
 //! forward groups (`R[t][i]`); `S[t][s]` keeps storage `s` alive from stage `t-1` into stage
 //! `t`; `FREE[t][s][k]` frees `s` right after group `k` of stage `t`; `U[t][k]` is the memory
 //! while group `k` of stage `t` runs. Variables that can only be 0 or 1 are constants.
+//!
+//! Which groups a stage may recompute comes from [`Recompute`] ([`SimpleGraph::stage_runs`]):
+//! the default lazy scope keeps `R` to the backward stages and the ancestors of what each
+//! stage's group reads; `S` bits are shared across stages that do not touch a storage.
 
 use crate::error::{Error, Result};
 use crate::expand::{Stage, StagePlan};
 use crate::schedule::SolverStatus;
-use crate::simplify::SimpleGraph;
+use crate::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
 use good_lp::solvers::highs::highs;
 use good_lp::{
     variable, Constraint, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus,
@@ -29,6 +33,8 @@ pub struct IlpSolution {
 pub struct SolveOptions {
     pub time_limit: f64,
     pub mip_gap: f64,
+    /// Where recomputations may be placed.
+    pub recompute: Recompute,
 }
 
 /// Solves for the fastest plan keeping memory within `budget` bytes; `None` when HiGHS found no
@@ -40,7 +46,7 @@ pub fn solve(
     options: SolveOptions,
     warm_start: Option<&StagePlan>,
 ) -> Result<Option<IlpSolution>> {
-    let mut model = Model::new(sg, budget);
+    let mut model = Model::new(sg, budget, options.recompute);
     model.add_dependencies();
     model.add_continuity();
     model.add_no_recompute_while_alive();
@@ -79,6 +85,8 @@ impl Bit {
 
 struct Model<'a> {
     sg: &'a SimpleGraph,
+    /// The groups each stage may run.
+    runs: Vec<Vec<usize>>,
     vars: ProblemVariables,
     rows: Vec<Constraint>,
     /// `r[t][i]` for `i <= t`.
@@ -94,23 +102,16 @@ struct Model<'a> {
 }
 
 impl<'a> Model<'a> {
-    fn new(sg: &'a SimpleGraph, budget: u64) -> Model<'a> {
-        let n = sg.groups.len();
+    fn new(sg: &'a SimpleGraph, budget: u64, scope: Recompute) -> Model<'a> {
         let mut vars = ProblemVariables::new();
-        let last = sg.last_stages();
-        let r = (0..n)
-            .map(|t| (0..=t).map(|i| r_bit(sg, &last, &mut vars, t, i)).collect())
-            .collect();
-        let s = (0..=n)
-            .map(|t| {
-                (0..sg.storages.len())
-                    .map(|s| s_bit(sg, &last, &mut vars, t, s))
-                    .collect()
-            })
-            .collect();
+        let stage_runs = sg.stage_runs(scope);
+        let r = r_bits(sg, &stage_runs.runs, &mut vars);
+        let s = s_bits(sg, &stage_runs, &mut vars);
+        let runs = stage_runs.runs;
         let byte_scale = 1.0 / (budget.max(1) as f64);
         Model {
             sg,
+            runs,
             vars,
             rows: Vec::new(),
             r,
@@ -127,8 +128,9 @@ impl<'a> Model<'a> {
 
     /// `R[t][j] <= R[t][p] + S[t][s]` for each input storage `s` of `j`, produced by `p`.
     fn add_dependencies(&mut self) {
-        for t in 0..self.r.len() {
-            for j in 0..=t {
+        for t in 0..self.runs.len() {
+            for idx in 0..self.runs[t].len() {
+                let j = self.runs[t][idx];
                 for &st in &self.sg.groups[j].inputs {
                     let p = self.sg.storages[st].producer;
                     self.add_at_most(&[self.r[t][j]], &[self.r[t][p], self.s[t][st]], 0.0);
@@ -140,7 +142,7 @@ impl<'a> Model<'a> {
     /// `S[t+1][s] <= S[t][s] + R[t][p]`: a storage survives a stage only if it was alive in it.
     fn add_continuity(&mut self) {
         for (st, storage) in self.sg.storages.iter().enumerate() {
-            for t in storage.producer + 1..self.r.len() {
+            for t in storage.producer + 1..self.runs.len() {
                 let p = storage.producer;
                 self.add_at_most(&[self.s[t + 1][st]], &[self.s[t][st], self.r[t][p]], 0.0);
             }
@@ -150,8 +152,9 @@ impl<'a> Model<'a> {
     /// `R[t][i] + S[t][s] <= 1` for each output `s` of `i`: a node cannot run while one of its
     /// outputs is alive.
     fn add_no_recompute_while_alive(&mut self) {
-        for t in 0..self.r.len() {
-            for i in 0..t {
+        for t in 0..self.runs.len() {
+            for idx in 0..self.runs[t].len() - 1 {
+                let i = self.runs[t][idx];
                 for &st in &self.sg.groups[i].outputs {
                     self.add_at_most(&[self.r[t][i], self.s[t][st]], &[], 1.0);
                 }
@@ -163,7 +166,8 @@ impl<'a> Model<'a> {
     fn add_at_most(&mut self, lhs: &[Bit], rhs: &[Bit], constant: f64) {
         let max_lhs = lhs.iter().filter(|b| **b != Bit::Zero).count() as f64;
         let min_rhs = rhs.iter().filter(|b| **b == Bit::One).count() as f64 + constant;
-        if max_lhs <= min_rhs {
+        let each_on_the_right = lhs.iter().all(|b| *b == Bit::Zero || rhs.contains(b));
+        if max_lhs <= min_rhs || (constant >= 0.0 && each_on_the_right) {
             return;
         }
         let mut e = Expression::with_capacity(lhs.len() + rhs.len());
@@ -176,7 +180,7 @@ impl<'a> Model<'a> {
     /// `U[t][k] = U[t][k'] + R[t][k] out(k) - frees after k'` (`k'` the previous candidate) and
     /// `U` of the first candidate starting from the storages kept into the stage.
     fn add_memory(&mut self, t: usize) {
-        let candidates: Vec<usize> = (0..=t).filter(|&k| self.r[t][k] != Bit::Zero).collect();
+        let candidates = self.runs[t].clone();
         let mut before = self.stage_start_memory(t);
         for (idx, &k) in candidates.iter().enumerate() {
             let u = self.vars.add(variable().min(0.0));
@@ -207,7 +211,7 @@ impl<'a> Model<'a> {
     /// Subtracts `bytes(s) FREE[t][s][k]` for each storage `k` reads or writes that may be freed
     /// right after `k`: `FREE <= R[t][k]`, `FREE <= 1 - S[t+1][s]`, `FREE <= 1 - R[t][j]` for each
     /// later user `j` of `s` in the stage. FREE is continuous: only these upper bounds matter,
-    /// and they are 0/1.
+    /// and they are 0/1. Storages nothing can hold after `k` need no variable: `FREE = R[t][k]`.
     fn subtract_frees(&mut self, t: usize, k: usize, memory: &mut Expression) {
         let group = &self.sg.groups[k];
         for &st in group.inputs.iter().chain(&group.outputs) {
@@ -219,7 +223,18 @@ impl<'a> Model<'a> {
                 .map(|&j| self.r[t][j])
                 .collect();
             let blockers: Vec<Bit> = later_users.into_iter().chain([self.s[t + 1][st]]).collect();
-            if storage.kept || blockers.contains(&Bit::One) {
+            // Graph outputs are never freed, buffer updates not in the forward phase.
+            let held = match storage.hold {
+                Hold::Planned => false,
+                Hold::ForwardPhase => t < self.sg.first_backward,
+                Hold::Step => true,
+            };
+            if held || storage.bytes == 0 || blockers.contains(&Bit::One) {
+                continue;
+            }
+            if blockers.iter().all(|b| *b == Bit::Zero) {
+                // Nothing can hold it: it is freed whenever `k` runs.
+                self.r[t][k].add_to(memory, -self.bytes(storage.bytes));
                 continue;
             }
             let free = self.vars.add(variable().min(0.0).max(1.0));
@@ -321,32 +336,57 @@ impl<'a> Model<'a> {
     }
 }
 
-/// `R[t][i]`: group `t` in its own stage; earlier forward groups only if they may be
-/// recomputed and still be needed at stage `t`.
-fn r_bit(sg: &SimpleGraph, last: &[usize], vars: &mut ProblemVariables, t: usize, i: usize) -> Bit {
-    let needed_later = sg.groups[i].outputs.iter().any(|&s| last[s] >= t);
-    if i == t {
-        Bit::One
-    } else if sg.recomputable(i) && needed_later {
-        Bit::Var(vars.add(variable().binary()))
-    } else {
-        Bit::Zero
-    }
+/// `R[t][i]`: group `t` in its own stage; the other groups stage `t` may run are variables.
+fn r_bits(sg: &SimpleGraph, runs: &[Vec<usize>], vars: &mut ProblemVariables) -> Vec<Vec<Bit>> {
+    (0..sg.groups.len())
+        .map(|t| {
+            let mut row = vec![Bit::Zero; t + 1];
+            for &i in &runs[t] {
+                row[i] = if i == t {
+                    Bit::One
+                } else {
+                    Bit::Var(vars.add(variable().binary()))
+                };
+            }
+            row
+        })
+        .collect()
 }
 
-/// `S[t][s]`: kept storages stay alive once produced; others may stay until the last stage
-/// that needs them.
-fn s_bit(sg: &SimpleGraph, last: &[usize], vars: &mut ProblemVariables, t: usize, s: usize) -> Bit {
-    let storage = &sg.storages[s];
-    if storage.producer >= t {
-        Bit::Zero
-    } else if storage.kept {
-        Bit::One
-    } else if t <= last[s] {
-        Bit::Var(vars.add(variable().binary()))
-    } else {
-        Bit::Zero
+/// `S[t][s]`: constants where the plan cannot choose ([`SimpleGraph::forced_alive`], or after
+/// the last stage that may use `s`). Elsewhere a variable, shared with `S[t-1][s]` when stage
+/// `t-1` neither uses nor produces `s`: an optimum never drops a storage at the end of a stage
+/// that did not touch it (dropping it one stage earlier costs nothing and saves memory), so
+/// one bit per run of untouched stages loses nothing and removes most `S` variables.
+fn s_bits(sg: &SimpleGraph, stage_runs: &StageRuns, vars: &mut ProblemVariables) -> Vec<Vec<Bit>> {
+    let StageRuns { runs, last_use, .. } = stage_runs;
+    let n = sg.groups.len();
+    let m = sg.storages.len();
+    let mut s: Vec<Vec<Bit>> = Vec::with_capacity(n + 1);
+    let mut touched = vec![false; m];
+    for t in 0..=n {
+        touched.iter_mut().for_each(|x| *x = false);
+        if t > 0 {
+            for &j in &runs[t - 1] {
+                let g = &sg.groups[j];
+                g.inputs
+                    .iter()
+                    .chain(&g.outputs)
+                    .for_each(|&st| touched[st] = true);
+            }
+        }
+        let row = (0..m)
+            .map(|st| match stage_runs.forced_alive(sg, st, t) {
+                Some(true) => Bit::One,
+                Some(false) => Bit::Zero,
+                None if t > last_use[st] => Bit::Zero,
+                None if touched[st] => Bit::Var(vars.add(variable().binary())),
+                None => s[t - 1][st],
+            })
+            .collect();
+        s.push(row);
     }
+    s
 }
 
 /// The plan read off `R` and `S` only (FREE is a relaxation and is not trusted).

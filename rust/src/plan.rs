@@ -6,7 +6,7 @@ use crate::expand::{schedule_of, StagePlan};
 use crate::graph::Graph;
 use crate::ilp;
 use crate::schedule::{Schedule, SolverInfo, SolverStatus};
-use crate::simplify::{simplify, SimpleGraph};
+use crate::simplify::{simplify, Recompute, SimpleGraph};
 use crate::simulate::simulate;
 use std::time::Instant;
 
@@ -55,13 +55,23 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
         let min_budget = peak(&lowest).min(peak(&store));
         return Err(Error::Infeasible { budget, min_budget });
     }
-    let (heuristic_plan, heuristic) = fastest_keep_set(graph, &sg, budget)?;
+    // Lazy recomputation whenever its keep-nothing schedule fits: then the restricted model is
+    // feasible, and it is much smaller (docs/decisions.md, "Planning").
+    let nothing = vec![false; sg.storages.len()];
+    let lazy_lowest = baseline::keep_set(&sg, &nothing, Recompute::Lazy);
+    let recompute = if peak(&simulated(graph, &sg, &lazy_lowest)?) <= budget {
+        Recompute::Lazy
+    } else {
+        Recompute::Anywhere
+    };
+    let (heuristic_plan, heuristic) = fastest_keep_set(graph, &sg, budget, recompute)?;
     // Solve a hair below the budget so HiGHS's feasibility tolerance cannot push the real peak
     // over it (never below what the heuristic schedule needs).
     let target = budget - (budget / 1_000_000).min(budget - peak(&heuristic));
     let solve_options = ilp::SolveOptions {
         time_limit: options.time_limit,
         mip_gap: options.mip_gap,
+        recompute,
     };
     let solved = ilp::solve(&sg, target, solve_options, Some(&heuristic_plan))?;
     let fallback = |heuristic: Schedule| Ok(with_info(heuristic, info(SolverStatus::Fallback)));
@@ -77,13 +87,18 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
 
 /// The fastest plan within `budget` of the family "keep every recomputable storage except the
 /// first `d` of [`baseline::drop_order`]", found by bisection on `d` (`d` = all is the
-/// keep-nothing plan, which fits).
-fn fastest_keep_set(graph: &Graph, sg: &SimpleGraph, budget: u64) -> Result<(StagePlan, Schedule)> {
+/// keep-nothing plan of `recompute`, which the caller checked fits).
+fn fastest_keep_set(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    budget: u64,
+    recompute: Recompute,
+) -> Result<(StagePlan, Schedule)> {
     let order = baseline::drop_order(sg);
     let plan_dropping = |d: usize| {
         let mut keep = vec![false; sg.storages.len()];
         order[d..].iter().for_each(|&s| keep[s] = true);
-        let plan = baseline::keep_set(sg, &keep);
+        let plan = baseline::keep_set(sg, &keep, recompute);
         simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
     };
     let (mut fits, mut over) = (order.len(), None);

@@ -56,7 +56,14 @@ impl<'g> State<'g> {
         state
     }
 
+    /// Buffer updates die (the executor has copied them into the buffers); tangents appear.
     fn start_backward(&mut self) {
+        let graph = self.graph;
+        let buffers = graph.outputs().iter().map(|o| o.value);
+        let buffers: Vec<usize> = buffers
+            .filter(|&v| graph.is_buffer_output(v) && self.alive[v])
+            .collect();
+        buffers.into_iter().for_each(|v| self.make_dead(v));
         let tangents = self
             .graph
             .values()
@@ -94,7 +101,7 @@ impl<'g> State<'g> {
                 Op::Compute { node } => {
                     peak = peak.max(self.compute(phase, node).map_err(|e| fail(at(), e))?)
                 }
-                Op::Free { value } => self.free(value).map_err(|e| fail(at(), e))?,
+                Op::Free { value } => self.free(phase, value).map_err(|e| fail(at(), e))?,
             }
         }
         Ok(peak)
@@ -132,7 +139,7 @@ impl<'g> State<'g> {
         Ok(self.bytes + n.temp_bytes)
     }
 
-    fn free(&mut self, value: usize) -> std::result::Result<(), String> {
+    fn free(&mut self, phase: Phase, value: usize) -> std::result::Result<(), String> {
         let v = self
             .graph
             .values()
@@ -142,8 +149,10 @@ impl<'g> State<'g> {
             Some("it is not alive")
         } else if v.kind != ValueKind::Activation {
             Some("graph inputs and tangents are never freed")
-        } else if self.graph.is_output(value) {
+        } else if self.graph.is_step_output(value) {
             Some("graph outputs are never freed")
+        } else if self.graph.is_buffer_output(value) && phase == Phase::Forward {
+            Some("buffer updates are never freed in the forward phase")
         } else {
             None
         };
@@ -158,7 +167,7 @@ impl<'g> State<'g> {
 
     fn check_outputs_alive(&self, phase: Phase) -> Result<()> {
         let wanted = |v: usize| match phase {
-            Phase::Forward => self.graph.is_forward_output(v),
+            Phase::Forward => self.graph.is_forward_output(v) || self.graph.is_buffer_output(v),
             Phase::Backward => self.graph.is_grad_output(v),
         };
         let missing = self

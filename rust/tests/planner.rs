@@ -7,6 +7,7 @@ use common::{chain, Builder};
 use proptest::prelude::*;
 use remat::graph::{OutputKind, Phase};
 use remat::plan::{min_memory, store_all};
+use remat::simplify::Recompute;
 use remat::{budget_range, plan, simulate, Error, Graph, PlanOptions, Schedule, SolverStatus};
 
 const EXACT: PlanOptions = PlanOptions {
@@ -88,6 +89,7 @@ fn the_ilp_alone_matches_plain_pytorch_when_memory_is_unlimited() {
     let options = remat::ilp::SolveOptions {
         time_limit: 10.0,
         mip_gap: 0.0,
+        recompute: remat::simplify::Recompute::Anywhere,
     };
     let solved = remat::ilp::solve(&sg, 1_000_000, options, None)
         .unwrap()
@@ -170,6 +172,73 @@ fn views_are_run_where_needed_at_every_budget() {
     assert!(lo < hi, "{lo} {hi}");
     for budget in lo..=hi {
         check_plan(&g, budget, &EXACT);
+    }
+}
+
+#[test]
+fn a_batch_norm_is_run_again_in_the_backward_phase_under_a_low_budget() {
+    let g = common::batch_norm_like();
+    let (lo, hi) = budget_range(&g).unwrap();
+    assert_eq!(hi, 52);
+    for budget in [42, 45, 51] {
+        let r = check_plan(&g, budget, &EXACT);
+        assert_eq!(r.recomputed_time, 1.0, "budget {budget}: bn runs again");
+    }
+    for budget in lo..=hi {
+        check_plan(&g, budget, &EXACT);
+    }
+    let schedule = plan(&g, 42, &EXACT).unwrap();
+    let new_stat = 4;
+    assert!(schedule
+        .backward
+        .contains(&remat::Op::Free { value: new_stat }));
+    assert!(!schedule
+        .forward
+        .contains(&remat::Op::Free { value: new_stat }));
+}
+
+/// The fastest time the ILP alone finds under `recompute`, exactly (`None`: infeasible).
+fn ilp_time(g: &Graph, budget: u64, recompute: Recompute) -> Option<f64> {
+    let sg = remat::simplify::simplify(g);
+    let options = remat::ilp::SolveOptions {
+        time_limit: 10.0,
+        mip_gap: 0.0,
+        recompute,
+    };
+    let solved = remat::ilp::solve(&sg, budget, options, None).unwrap()?;
+    assert_eq!(solved.status, SolverStatus::Optimal);
+    let schedule = remat::expand::schedule_of(g, &sg, &solved.plan).unwrap();
+    let report = simulate(g, &schedule).unwrap();
+    assert!(
+        report.peak_bytes <= budget,
+        "{} > {budget}",
+        report.peak_bytes
+    );
+    Some(report.time)
+}
+
+#[test]
+fn lazy_recomputation_finds_the_unrestricted_optimum_on_small_graphs() {
+    let graphs = [
+        four_layers(),
+        with_views(),
+        common::batch_norm_like(),
+        chain(&[10, 30, 5, 20, 10], &[2.0, 1.0, 4.0, 1.0, 3.0]),
+    ];
+    for g in &graphs {
+        let (lo, hi) = budget_range(g).unwrap();
+        let mut compared = 0;
+        for budget in lo..=hi {
+            let anywhere = ilp_time(g, budget, Recompute::Anywhere).expect("min_memory fits");
+            if let Some(lazy) = ilp_time(g, budget, Recompute::Lazy) {
+                assert!(
+                    (lazy - anywhere).abs() < 1e-9,
+                    "budget {budget}: {lazy} vs {anywhere}"
+                );
+                compared += 1;
+            }
+        }
+        assert!(compared > 0);
     }
 }
 

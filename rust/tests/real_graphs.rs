@@ -69,3 +69,34 @@ fn cnn_plans_within_budget() {
 fn gpt2_2l_plans_within_budget() {
     plans_within_budget("gpt2_2l", 3.0);
 }
+
+/// Solve times and schedule quality at 60/30/5% of the way from the smallest budget to plain
+/// PyTorch's peak: `cargo test --release --test real_graphs -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn report_solve_times() {
+    let names = std::env::var("REMAT_GRAPHS").unwrap_or("mlp,cnn,encoder_2l,gpt2_2l".into());
+    for name in names.split(',') {
+        let g = load(name);
+        let (lo, hi) = budget_range(&g).unwrap();
+        let plain = remat::plan::store_all(&g).unwrap().predicted.unwrap().time;
+        let fractions = std::env::var("REMAT_FRACTIONS").unwrap_or("0.6,0.3,0.05".into());
+        for fraction in fractions.split(',').map(|f| f.parse::<f64>().unwrap()) {
+            let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+            let start = Instant::now();
+            let schedule = plan(&g, budget, &PlanOptions::default()).unwrap();
+            let report = schedule.predicted.unwrap();
+            let solver = schedule.solver.unwrap();
+            eprintln!(
+                "{name} {:>3.0}%: {:>6.2}s {:?} time {:.4e} (plain {:.4e}) recomputed {:.4e} peak {}/{budget}",
+                fraction * 100.0,
+                start.elapsed().as_secs_f64(),
+                solver.status,
+                report.time,
+                plain,
+                report.recomputed_time,
+                report.peak_bytes,
+            );
+        }
+    }
+}

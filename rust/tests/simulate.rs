@@ -159,3 +159,61 @@ fn tangents_count_during_the_backward_phase_only() {
     assert_eq!(report.forward_peak_bytes, 10);
     assert_eq!(report.backward_peak_bytes, 10 + 100);
 }
+
+#[test]
+fn buffer_updates_live_to_the_end_of_the_forward_phase_only() {
+    let g = common::batch_norm_like();
+    // Plain PyTorch; new_stat (value 4) is never freed by the schedule.
+    let forward = vec![compute(0), compute(1), compute(2)];
+    let backward = vec![
+        compute(3),
+        compute(4),
+        free(7),
+        compute(5),
+        free(3),
+        free(2),
+        free(8),
+        compute(6),
+        free(9),
+    ];
+    let report = simulate(&g, &Schedule::new(forward.clone(), backward.clone())).unwrap();
+    assert_eq!(report.forward_peak_bytes, 10 + 10 + 1 + 10);
+    assert_eq!(report.backward_peak_bytes, 10 + 10 + 10 + 1 + 20 + 1);
+
+    let freed_early = vec![compute(0), compute(1), free(4), compute(2)];
+    let msg = schedule_error(&g, freed_early, backward.clone());
+    assert!(msg.contains("never freed in the forward phase"), "{msg}");
+    // It is dead in the backward phase: running bn again there is allowed, and its new
+    // value counts until freed.
+    let forward = vec![compute(0), compute(1), compute(2), free(3)];
+    let backward = vec![
+        compute(3),
+        compute(4),
+        free(7),
+        compute(1),
+        free(4),
+        compute(5),
+        free(3),
+        free(2),
+        free(8),
+        compute(6),
+        free(9),
+    ];
+    let report = simulate(&g, &Schedule::new(forward, backward)).unwrap();
+    assert_eq!(report.recomputed_time, 1.0);
+    assert_eq!(report.backward_peak_bytes, 10 + 10 + 1 + 20 + 1);
+}
+
+#[test]
+fn buffer_outputs_must_not_be_read_by_the_backward_phase() {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let stat = b.node("f0", Phase::Forward, &[x], &[4], 1.0)[0];
+    b.output(stat, OutputKind::Buffer);
+    let t = b.tangent("t", 1);
+    b.node("b0", Phase::Backward, &[t, stat], &[1], 1.0);
+    match b.try_build() {
+        Err(Error::Graph(msg)) => assert!(msg.contains("reads buffer output"), "{msg}"),
+        other => panic!("expected a graph error, got {other:?}"),
+    }
+}

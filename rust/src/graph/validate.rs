@@ -210,12 +210,42 @@ fn check_outputs(values: &[Value], nodes: &[Node], outputs: &[Output]) -> Check 
             .get(i)
             .ok_or_else(|| format!("graph output refers to unknown value {i}"))?;
         let forward_missing = backward_made[i] || v.kind == ValueKind::Tangent;
-        if out.kind == OutputKind::Forward && forward_missing {
+        let forward_kind = matches!(out.kind, OutputKind::Forward | OutputKind::Buffer);
+        if forward_kind && forward_missing {
             return Err(format!(
-                "forward output {i} ({}) does not exist in the forward phase",
-                v.name
+                "{:?} output {i} ({}) does not exist in the forward phase",
+                out.kind, v.name
             ));
+        }
+        if out.kind == OutputKind::Buffer {
+            check_buffer_output(values, nodes, i)?;
         }
     }
     Ok(())
+}
+
+/// A buffer update is a new activation, and dead in the backward phase: no backward node reads
+/// it or a view of its storage.
+fn check_buffer_output(values: &[Value], nodes: &[Node], i: usize) -> Check {
+    let v = &values[i];
+    if v.kind != ValueKind::Activation {
+        return Err(format!(
+            "buffer output {i} ({}) is of kind {:?}, not an activation",
+            v.name, v.kind
+        ));
+    }
+    let owner = v.alias_of.unwrap_or(i);
+    let same_storage = |x: usize| values[x].alias_of.unwrap_or(x) == owner;
+    let reader = nodes
+        .iter()
+        .filter(|n| n.phase == Phase::Backward)
+        .find(|n| n.inputs.iter().any(|&x| same_storage(x)));
+    match reader {
+        Some(n) => Err(format!(
+            "backward node {} ({}) reads buffer output {i} ({}), which is released when the \
+             backward phase starts",
+            n.id, n.name, v.name
+        )),
+        None => Ok(()),
+    }
 }

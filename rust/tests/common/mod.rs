@@ -103,7 +103,11 @@ impl Builder {
     }
 
     pub fn build(self) -> Graph {
-        Graph::new("test", self.values, self.nodes, self.outputs).expect("a valid test graph")
+        self.try_build().expect("a valid test graph")
+    }
+
+    pub fn try_build(self) -> remat::Result<Graph> {
+        Graph::new("test", self.values, self.nodes, self.outputs)
     }
 }
 
@@ -134,5 +138,30 @@ pub fn chain(sizes: &[u64], times: &[f64]) -> Graph {
         b.output(outs[1], OutputKind::Grad);
         grad = outs[0];
     }
+    b.build()
+}
+
+/// A batch-norm-like node `bn` returning `(out, new_stat)`, `new_stat` a buffer update (1 B).
+/// Values: x=0, running stat=1, a0=2, out=3, new_stat=4, a2=5 (forward output), tangent=6,
+/// h=7, g2=8, g1=9, then two gradients. Nodes: f0=0 (4 s), bn=1 (1 s), f2=2, then backward
+/// b2 (tangent → h, 20 B), b3 (h → g2), bbn (g2, out, a0 → g1, grad), b0 (g1, x → grad).
+/// Plain PyTorch peaks at 52 B in b3, holding a0 and out; dropping `out` and running `bn`
+/// again before `bbn` is the cheapest way under it.
+pub fn batch_norm_like() -> Graph {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let stat = b.value("running_stat", 1000, ValueKind::Buffer, None);
+    let a0 = b.node("f0", Phase::Forward, &[x], &[10], 4.0)[0];
+    let bn = b.node("bn", Phase::Forward, &[a0, stat], &[10, 1], 1.0);
+    b.output(bn[1], OutputKind::Buffer);
+    let a2 = b.node("f2", Phase::Forward, &[bn[0]], &[10], 4.0)[0];
+    b.output(a2, OutputKind::Forward);
+    let t = b.tangent("t", 1);
+    let h = b.node("b2", Phase::Backward, &[t], &[20], 1.0)[0];
+    let g2 = b.node("b3", Phase::Backward, &[h], &[1], 1.0)[0];
+    let g1 = b.node("bbn", Phase::Backward, &[g2, bn[0], a0], &[1, 0], 1.0);
+    b.output(g1[1], OutputKind::Grad);
+    let gx = b.node("b0", Phase::Backward, &[g1[0], x], &[0], 1.0)[0];
+    b.output(gx, OutputKind::Grad);
     b.build()
 }
