@@ -108,6 +108,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     descs = out_node.meta.get("desc") or [None] * len(outputs)
     output_bindings = [_output_binding(d) for d in descs]
     _sum_tied_grads(model, gm, outputs, output_bindings)
+    _drop_running_stats_from_batch_norm_backward(gm)
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
     return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts)
@@ -134,6 +135,17 @@ def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, binding
         bindings[i] = OutputBinding("none", None)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_node.args = (list(outputs),)
+    gm.recompile()
+
+
+def _drop_running_stats_from_batch_norm_backward(gm: fx.GraphModule) -> None:
+    """In training mode BatchNorm's backward ignores the running statistics it is passed, which
+    are the step's new buffer values; passing ``None`` lets those values die after the forward."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.native_batch_norm_backward.default and node.args[7] is True:
+            args = list(node.args)
+            args[3] = args[4] = None
+            node.args = tuple(args)
     gm.recompile()
 
 

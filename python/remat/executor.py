@@ -54,7 +54,7 @@ class Phases:
     forward: fx.GraphModule
     backward: fx.GraphModule
     forward_inputs: list[int]  # graph inputs the forward phase reads
-    forward_outputs: list[int]  # graph outputs of kind "forward", in graph order
+    forward_outputs: list[int]  # graph outputs of kinds "forward" and "buffer", in graph order
     saved: list[int]  # activations handed from forward to backward
     rng_nodes: list[int]  # random nodes whose RNG state is handed over too (after ``saved``)
     backward_inputs: list[int]  # graph inputs (tangents included) the backward phase reads
@@ -74,7 +74,7 @@ def build_phases(g: JointGraph, schedule: dict[str, Any]) -> Phases:
     used_in_bwd = {v for op in bwd_ops if op["op"] == "compute" for v in g.nodes[op["node"]].inputs}
     saved = sorted(v for v in alive_after_fwd if g.values[v].kind == "activation" and v in used_in_bwd)
 
-    forward_outputs = [v for v, k in g.outputs if k == "forward"]
+    forward_outputs = [v for v, k in g.outputs if k in ("forward", "buffer")]
     grads = [v for v, k in g.outputs if k == "grad"]
     fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
     forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng)

@@ -51,7 +51,7 @@ class JointGraph:
     captured: Captured
     values: list[Value] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
-    outputs: list[tuple[int, str]] = field(default_factory=list)  # (value id, "forward"|"grad")
+    outputs: list[tuple[int, str]] = field(default_factory=list)  # (value id, "forward"|"buffer"|"grad")
     value_of: dict[fx.Node, int] = field(default_factory=dict)  # FX node (or getitem) -> value
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,7 +107,9 @@ def build_graph(captured: Captured, name: str) -> JointGraph:
     for out, binding in zip(captured.outputs, captured.output_bindings):
         if out is None or binding.kind == "none":
             continue
-        kind = "grad" if binding.kind == "grad" else "forward"
+        kind = {"grad": "grad", "mutation": "buffer"}.get(binding.kind, "forward")
+        if kind == "buffer" and any(n.phase == "backward" and g.value_of[out] in n.inputs for n in g.nodes):
+            kind = "forward"  # the backward reads the new buffer value: keep it to the end
         g.outputs.append((g.value_of[out], kind))
     return g
 

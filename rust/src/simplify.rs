@@ -325,13 +325,21 @@ impl SimpleGraph {
             let users = st.users.iter().copied();
             users.filter(|&u| u < self.first_backward).max()
         };
-        let pinned = |st: &Storage| {
-            scope == Recompute::Lazy || !self.recomputable_at(st.producer, self.first_backward - 1)
-        };
+        // A storage stays alive while the forward phase may need it. Under lazy recomputation
+        // the forward recomputes nothing: until its last forward user. Otherwise a storage whose
+        // group cannot run again in the forward phase (it updates a buffer) stays to the end of
+        // the forward phase, since any forward stage may recompute a descendant from it.
+        let end_of_forward = self.first_backward - 1;
         let pinned_until = self
             .storages
             .iter()
-            .map(|st| last_forward_use(st).filter(|_| pinned(st)))
+            .map(|st| match scope {
+                Recompute::Lazy => last_forward_use(st),
+                Recompute::Anywhere if !self.recomputable_at(st.producer, end_of_forward) => {
+                    last_forward_use(st).map(|_| end_of_forward)
+                }
+                Recompute::Anywhere => None,
+            })
             .collect();
         StageRuns {
             runs,
