@@ -38,7 +38,60 @@ pub fn schedule_of(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<
     if plan.stages.len() <= sg.first_backward {
         em.end_forward()?;
     }
-    em.end_backward()
+    Ok(free_at_last_use(graph, &em.end_backward()?))
+}
+
+/// The same computations, each value freed right after its last use (the generated code frees
+/// there too). A plan may keep a storage into a stage that never uses it; this never frees later
+/// than the plan, so memory only falls, and the simulated peak matches what runs.
+pub fn free_at_last_use(graph: &Graph, schedule: &Schedule) -> Schedule {
+    let computes: Vec<(Phase, usize)> = [
+        (Phase::Forward, &schedule.forward),
+        (Phase::Backward, &schedule.backward),
+    ]
+    .into_iter()
+    .flat_map(|(phase, ops)| {
+        ops.iter().filter_map(move |op| match *op {
+            Op::Compute { node } => Some((phase, node)),
+            Op::Free { .. } => None,
+        })
+    })
+    .collect();
+    let freeable = |v: usize, phase: Phase| {
+        graph.value(v).kind == ValueKind::Activation
+            && !graph.is_forward_output(v)
+            && !graph.is_grad_output(v)
+            && (phase == Phase::Backward || !graph.is_buffer_output(v))
+    };
+    // Scanning backwards: `needed[v]` = the instance of `v` alive here is used later.
+    let mut needed = vec![false; graph.values().len()];
+    let mut frees_after = vec![Vec::new(); computes.len()];
+    for (i, &(phase, node)) in computes.iter().enumerate().rev() {
+        let node = graph.node(node);
+        for &v in &node.outputs {
+            if !needed[v] && freeable(v, phase) {
+                frees_after[i].push(v);
+            }
+            needed[v] = false; // earlier, this value is not alive (a node never reruns over it)
+        }
+        for &v in &node.inputs {
+            if !needed[v] && freeable(v, phase) {
+                frees_after[i].push(v);
+            }
+            needed[v] = true;
+        }
+    }
+    let (mut forward, mut backward) = (Vec::new(), Vec::new());
+    for (&(phase, node), frees) in computes.iter().zip(frees_after) {
+        let ops = if phase == Phase::Forward {
+            &mut forward
+        } else {
+            &mut backward
+        };
+        ops.push(Op::Compute { node });
+        ops.extend(frees.into_iter().map(|value| Op::Free { value }));
+    }
+    Schedule::new(forward, backward)
 }
 
 struct Emitter<'a> {

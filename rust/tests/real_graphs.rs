@@ -1,7 +1,8 @@
 //! The saved graphs of real models (`rust/tests/graphs/`, written by the Python capture): each
 //! reads, and plans within budget between its extremes.
 
-use remat::{budget_range, plan, Graph, PlanOptions, SolverStatus};
+use remat::plan::min_memory;
+use remat::{budget_range, plan, Graph, PlanOptions};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -19,6 +20,7 @@ fn plans_within_budget(name: &str, time_limit: f64) {
     let g = load(name);
     let (lo, hi) = budget_range(&g).unwrap();
     assert!(lo <= hi, "{name}: {lo} > {hi}");
+    let keep_nothing_time = min_memory(&g).unwrap().predicted.unwrap().time;
     for fraction in [0.0, 0.5, 0.9] {
         let budget = lo + ((hi - lo) as f64 * fraction) as u64;
         let start = Instant::now();
@@ -39,7 +41,9 @@ fn plans_within_budget(name: &str, time_limit: f64) {
             start.elapsed().as_secs_f64()
         );
         assert!(report.peak_bytes <= budget);
-        assert_ne!(solver.status, SolverStatus::Fallback, "{name} at {budget}");
+        // Whichever won, the ILP or the keep-set heuristic (status `fallback`), it recomputes no
+        // more than keeping nothing does.
+        assert!(report.time <= keep_nothing_time + 1e-9, "{name} at {budget}: {solver:?}");
     }
 }
 
