@@ -42,11 +42,14 @@ def test_budgets_keep_results_and_memory(name: str) -> None:
             torch.testing.assert_close(a, b, msg=lambda m, k=k: f"buffer {k} after one step: {m}")
         predicted = rm.schedule["predicted"]["peak_bytes"]
         assert step.peak <= rm.budget + OUTSIDE_MODEL_SLACK, (step.peak, rm.budget)
-        assert step.peak <= predicted + OUTSIDE_MODEL_SLACK, (step.peak, predicted)
+        # The simulator predicts the graph's values; RNG states and buffer copies come on top,
+        # within the part of the budget held back for them.
+        assert step.peak <= predicted + rm.reserve + OUTSIDE_MODEL_SLACK, (step.peak, predicted, rm.reserve)
         peaks.append(step.peak)
-        rows.append((rm.budget, predicted, step.peak, step.peak - predicted, rm.schedule["solver"]["status"]))
+        status = rm.schedule["solver"]["status"]
+        rows.append((rm.budget, predicted, step.peak, step.peak - predicted, rm.reserve, status))
 
-    print(f"\n{name}: plain measured {plain.peak} B; budget, predicted, measured, measured-predicted, status")
+    print(f"\n{name}: plain measured {plain.peak} B; budget, predicted, measured, measured-predicted, reserve, status")
     for row in rows:
         print("  ", *row)
     assert all(a >= b for a, b in zip(peaks, peaks[1:])), f"measured peaks rise as the budget falls: {peaks}"

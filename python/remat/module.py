@@ -77,6 +77,12 @@ class Remat(nn.Module):
         return None if self._plan is None else self._plan.plain_peak
 
     @property
+    def reserve(self) -> int | None:
+        """Bytes of the budget held back from the planner for what the executor keeps beside the
+        graph's values (RNG states of replayed random ops, pre-step copies of updated buffers)."""
+        return None if self._plan is None else self._plan.reserve
+
+    @property
     def min_budget(self) -> int | None:
         """The smallest budget any schedule keeps."""
         return None if self._plan is None else self._plan.min_budget
@@ -131,6 +137,7 @@ class _Plan:
     budget: int
     plain_peak: int
     min_budget: int
+    reserve: int  # bytes of the budget held back for RNG states and buffer copies
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         tensors, _, _ = flatten_inputs(args, kwargs)
@@ -159,7 +166,9 @@ def _make_plan(model, args, kwargs, budget, time_limit: float, mip_gap: float) -
         schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), time_limit, mip_gap))
     except InfeasibleBudget as exc:
         raise InfeasibleBudget(target, exc.min_budget + reserve) from None
-    return _Plan(g, graph_json, schedule, build_phases(g, schedule), target, plain_peak, min_budget + reserve)
+    held_back = target - plan_budget
+    phases = build_phases(g, schedule)
+    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + reserve, held_back)
 
 
 def _reserve(g: JointGraph) -> int:
