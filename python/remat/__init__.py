@@ -1,11 +1,14 @@
 """remat: optimal re-materialization (activation checkpointing) for PyTorch training."""
 
+from .checkpointable import Checkpointable, Sequence
 from .errors import (
     CaptureError,
     DeviceMismatch,
     GraphError,
     InfeasibleBudget,
+    InfeasibleMemLimit,
     InputMismatch,
+    NotSequential,
     RematError,
     ScheduleError,
     SolverError,
@@ -15,13 +18,17 @@ from .module import Remat
 
 __all__ = [
     "CaptureError",
+    "Checkpointable",
     "DeviceMismatch",
     "GraphError",
     "InfeasibleBudget",
+    "InfeasibleMemLimit",
     "InputMismatch",
+    "NotSequential",
     "Remat",
     "RematError",
     "ScheduleError",
+    "Sequence",
     "SolverError",
     "StepMemory",
     "cuda_peak",

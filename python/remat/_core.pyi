@@ -16,3 +16,15 @@ def simulate(graph_json: str, schedule_json: str) -> str:
 
 def budget_range(graph_json: str) -> tuple[int, int]:
     """(smallest feasible budget, plain PyTorch's peak) in bytes."""
+
+def chain_plan(chain_json: str, mem_limit: int, slots: int = 500) -> str:
+    """rotor's DP over a chain of blocks (a ``remat.chain`` file, docs/checkpointable.md): the
+    ``remat.chain_sequence`` JSON of least time whose replayed peak is at most ``mem_limit`` bytes,
+    with rotor's notation and the predicted time and memory.
+
+    Raises remat.InfeasibleBudget (naming the smallest feasible limit) below it, remat.GraphError
+    on a malformed chain. Releases the GIL while solving.
+    """
+
+def chain_limits(chain_json: str, slots: int = 500) -> tuple[int, int]:
+    """(smallest feasible limit with ``slots`` slots, plain PyTorch's peak) in bytes."""

@@ -42,3 +42,20 @@ class InputMismatch(RematError):
 
 class DeviceMismatch(RematError):
     """The sample and the model are not on the same device."""
+
+
+class NotSequential(RematError):
+    """``Checkpointable`` was given a module that is not a chain of layers (an ``nn.Sequential``)."""
+
+
+class InfeasibleMemLimit(InfeasibleBudget):
+    """``Checkpointable``'s ``mem_limit`` is below the smallest limit any sequence keeps."""
+
+    def __init__(self, budget: int, min_budget: int) -> None:
+        super().__init__(budget, min_budget)
+        Exception.__init__(
+            self,
+            f"mem_limit of {self.budget} bytes is infeasible: the smallest feasible limit for this "
+            f"chain and sample is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
+            f"pass mem_limit >= {self.min_budget}",
+        )

@@ -6,8 +6,14 @@
 //! ([`baseline`], [`ilp`]) returning a [`expand::StagePlan`] → [`expand`] (node-level
 //! [`Schedule`]) → [`simulate`] (check and measure). [`plan()`] ties them together; `python.rs`
 //! exposes it as `remat._core`.
+//!
+//! Sequential models (rotor's `Checkpointable`): a [`chain::Chain`] of measured blocks →
+//! [`dp`] (rotor's persistent DP over blocks with options) → a [`chain::ChainSequence`] replayed
+//! by [`chain::Chain::simulate`].
 
 pub mod baseline;
+pub mod chain;
+pub mod dp;
 pub mod error;
 pub mod expand;
 pub mod graph;
@@ -20,6 +26,7 @@ pub mod simulate;
 #[cfg(feature = "python")]
 mod python;
 
+pub use chain::{Chain, ChainOp, ChainSequence};
 pub use error::{Error, Result};
 pub use graph::Graph;
 pub use plan::{budget_range, plan, PlanOptions};

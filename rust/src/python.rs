@@ -1,7 +1,7 @@
 //! `remat._core`: JSON strings in and out; the GIL is released while planning. Only converts
 //! types: every decision is made by the Rust API.
 
-use crate::{Error, Graph, PlanOptions, Schedule};
+use crate::{Chain, Error, Graph, PlanOptions, Schedule};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -47,6 +47,30 @@ fn py_budget_range(py: Python<'_>, graph_json: String) -> PyResult<(u64, u64)> {
         .map_err(|e| to_py_err(py, e))
 }
 
+/// `chain_plan(chain_json, mem_limit, slots=500) -> str`: rotor's DP; the chain sequence JSON.
+#[pyfunction]
+#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = crate::dp::DEFAULT_SLOTS))]
+fn py_chain_plan(
+    py: Python<'_>,
+    chain_json: String,
+    mem_limit: u64,
+    slots: usize,
+) -> PyResult<String> {
+    py.detach(|| {
+        let chain = Chain::from_json(&chain_json)?;
+        crate::dp::solve(&chain, mem_limit, slots).map(|s| s.to_json())
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
+/// `chain_limits(chain_json, slots=500) -> (min_limit, plain_peak)`.
+#[pyfunction]
+#[pyo3(name = "chain_limits", signature = (chain_json, slots = crate::dp::DEFAULT_SLOTS))]
+fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult<(u64, u64)> {
+    py.detach(|| crate::dp::limits(&Chain::from_json(&chain_json)?, slots))
+        .map_err(|e| to_py_err(py, e))
+}
+
 /// The `remat.errors` exception for `err` (`ValueError` if that module cannot be imported).
 fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
     let raised = py.import("remat.errors").and_then(|errors| {
@@ -68,6 +92,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_simulate, m)?)?;
     m.add_function(wrap_pyfunction!(py_budget_range, m)?)?;
+    m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(py_chain_limits, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

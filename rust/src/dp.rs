@@ -1,0 +1,459 @@
+//! rotor's "persistent" dynamic program over a [`Chain`] (Beaumont, Eyraud-Dubois, Herrmann,
+//! Joly, Shilova: "Optimal checkpointing for heterogeneous chains"), with several options per
+//! block (Rockmate): the sequence of least time whose peak stays under a memory limit.
+//!
+//! `T(m, a, b)`: least time to go from `x_a` held by the caller and `δ_{b+1}` held (counted in
+//! `m`) to `δ_a`, with memory `m` for everything else; block `L` is the loss (`T(m, L, L) = 0`).
+//! Either
+//! - checkpoint a later input `x_j`: `Fck(a) Fn(a+1) … Fn(j-1)`, then `T(m - x_j, j, b)`, then
+//!   `T(m, a, j-1)`; or
+//! - run block `a` with grad, option `k`: `Fe(a, k)`, then `T(m - xbar_{a+1}(k), a+1, b)`, then
+//!   `B(a, k)`.
+//!
+//! Memory is discretized into `slots` slots of `ceil(avail / slots)` bytes, sizes rounded *up*,
+//! so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
+//! bytes. Tables are dense and filled iteratively, by sub-chain length: `O(slots · L²)` memory
+//! and `O(slots · L³)` time.
+
+use crate::chain::{Chain, ChainOp, ChainSequence, ChainSolverInfo};
+use crate::error::{Error, Result};
+use std::time::Instant;
+
+/// Default number of memory slots (rotor's).
+pub const DEFAULT_SLOTS: usize = 500;
+
+/// Largest table the solver allocates (entries of 12 bytes: 12 GiB).
+const MAX_TABLE_ENTRIES: usize = 1 << 30;
+
+/// The sequence of least time whose replayed peak is at most `mem_limit` bytes.
+///
+/// If plain PyTorch's sequence (every block once with grad) fits, it is returned: it is optimal.
+/// Below the smallest feasible limit, [`Error::Infeasible`] names it ([`min_limit`]).
+pub fn solve(chain: &Chain, mem_limit: u64, slots: usize) -> Result<ChainSequence> {
+    let start = Instant::now();
+    check_slots(slots)?;
+    let info = |slot_bytes| ChainSolverInfo {
+        name: "rotor".to_string(),
+        mem_limit,
+        slots,
+        slot_bytes,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    let plain = chain.plain_ops();
+    let plain_report = chain.simulate(&plain)?;
+    if plain_report.peak_bytes <= mem_limit {
+        return Ok(ChainSequence {
+            ops: plain,
+            predicted: plain_report,
+            solver: Some(info(0)),
+        });
+    }
+    let grid = match Grid::fitting(chain, mem_limit, slots) {
+        Some(grid) => grid,
+        None => {
+            let min = min_limit(chain, slots);
+            if min > mem_limit {
+                return Err(Error::Infeasible {
+                    budget: mem_limit,
+                    min_budget: min,
+                });
+            }
+            nearest_fitting(chain, min, mem_limit, slots)
+        }
+    };
+    let costs = Costs::new(chain, grid.unit);
+    let table = Table::fill(&costs, grid.capacity)?;
+    let ops = table.rebuild(&costs, grid.capacity);
+    let predicted = chain.simulate(&ops)?;
+    if predicted.peak_bytes > mem_limit {
+        return Err(Error::Solver(format!(
+            "the DP's sequence peaks at {} bytes, above the limit of {mem_limit}",
+            predicted.peak_bytes
+        )));
+    }
+    Ok(ChainSequence {
+        ops,
+        predicted,
+        solver: Some(info(grid.unit)),
+    })
+}
+
+/// The smallest limit for which [`solve`] finds a sequence with `slots` slots: the exact minimal
+/// peak in bytes, raised (by a bisection) until the rounded-up sizes fit in the slots, and at
+/// most plain PyTorch's peak (which needs no DP).
+pub fn min_limit(chain: &Chain, slots: usize) -> u64 {
+    let slots = slots.max(1);
+    let plain = plain_peak(chain);
+    let exact = chain.held_bytes() + min_memory(&Costs::new(chain, 1));
+    let solvable = |limit: u64| limit >= plain || Grid::fitting(chain, limit, slots).is_some();
+    if solvable(exact) {
+        return exact.min(plain);
+    }
+    let (mut lo, mut step) = (exact, ((exact - chain.held_bytes()) / slots as u64).max(1));
+    let mut hi = exact.saturating_add(step).min(plain);
+    while !solvable(hi) {
+        lo = hi;
+        step = step.saturating_mul(2);
+        hi = exact.saturating_add(step).min(plain);
+    }
+    // Rounding makes feasibility only nearly monotone: stop within 0.01% of the limit.
+    while hi - lo > (lo / 10_000).max(1) {
+        let mid = lo + (hi - lo) / 2;
+        if solvable(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
+/// The grid of the largest limit in `fits..=limit` whose rounded-up sizes fit (within 0.01%):
+/// rounding up makes feasibility only nearly monotone, so a limit above [`min_limit`] may not fit
+/// its own slots while a slightly lower one does.
+fn nearest_fitting(chain: &Chain, fits: u64, limit: u64, slots: usize) -> Grid {
+    let (mut lo, mut hi) = (fits, limit);
+    while hi - lo > (lo / 10_000).max(1) {
+        let mid = lo + (hi - lo) / 2;
+        if Grid::fitting(chain, mid, slots).is_some() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Grid::fitting(chain, lo, slots).expect("the smallest feasible limit fits")
+}
+
+/// `(smallest feasible limit, plain PyTorch's peak)` in bytes, for `slots` slots.
+pub fn limits(chain: &Chain, slots: usize) -> Result<(u64, u64)> {
+    check_slots(slots)?;
+    Ok((min_limit(chain, slots), plain_peak(chain)))
+}
+
+fn plain_peak(chain: &Chain) -> u64 {
+    let replay = chain.simulate(&chain.plain_ops());
+    replay
+        .expect("plain PyTorch's sequence is valid")
+        .peak_bytes
+}
+
+fn check_slots(slots: usize) -> Result<()> {
+    if slots == 0 {
+        return Err(Error::Solver("slots must be at least 1".into()));
+    }
+    Ok(())
+}
+
+/// The discretization of a limit: `capacity` slots of `unit` bytes for what the caller does not
+/// hold for the whole step.
+struct Grid {
+    unit: u64,
+    capacity: usize,
+}
+
+impl Grid {
+    fn new(chain: &Chain, mem_limit: u64, slots: usize) -> Option<Grid> {
+        let avail = mem_limit.checked_sub(chain.held_bytes())?;
+        let unit = avail.div_ceil(slots as u64).max(1);
+        Some(Grid {
+            unit,
+            capacity: (avail / unit) as usize,
+        })
+    }
+
+    /// The grid of `mem_limit` if the DP finds a sequence in it.
+    fn fitting(chain: &Chain, mem_limit: u64, slots: usize) -> Option<Grid> {
+        let grid = Grid::new(chain, mem_limit, slots)?;
+        let need = min_memory(&Costs::new(chain, grid.unit));
+        (need <= grid.capacity as u64).then_some(grid)
+    }
+}
+
+/// One option of a block, sizes in units.
+struct OptionCost {
+    saved: u64,
+    forward_temp: u64,
+    backward_temp: u64,
+    time: f64,
+}
+
+/// The chain in memory units (bytes, or slots rounded up), as the recurrence counts it.
+struct Costs {
+    len: usize,
+    /// `x_i` stored (`i` in `0..=L`): `x_0` and the returned `x_L` are the caller's (0).
+    x: Vec<u64>,
+    /// `δ_i` (`i` in `0..=L+1`): `δ_L` is the caller's and `δ_{L+1}` does not exist (0).
+    delta: Vec<u64>,
+    /// `x_L` recomputed after the loss: a copy beside the caller's.
+    output_copy: u64,
+    forward_temp: Vec<u64>,
+    forward_time: Vec<f64>,
+    options: Vec<Vec<OptionCost>>,
+}
+
+impl Costs {
+    fn new(chain: &Chain, unit: u64) -> Costs {
+        let len = chain.len();
+        let up = |bytes: u64| bytes.div_ceil(unit);
+        let mut x: Vec<u64> = chain.sizes.iter().map(|&s| up(s)).collect();
+        let mut delta = x.clone();
+        x[0] = 0;
+        x[len] = 0;
+        delta[len] = 0;
+        delta.push(0);
+        let options = chain
+            .blocks
+            .iter()
+            .map(|b| {
+                b.options
+                    .iter()
+                    .map(|o| OptionCost {
+                        saved: up(o.saved_bytes),
+                        forward_temp: up(o.forward_temp_bytes),
+                        backward_temp: up(o.backward_temp_bytes),
+                        time: o.forward_time + o.backward_time,
+                    })
+                    .collect()
+            })
+            .collect();
+        Costs {
+            len,
+            x,
+            delta,
+            output_copy: up(chain.sizes[len]),
+            forward_temp: chain
+                .blocks
+                .iter()
+                .map(|b| up(b.forward_temp_bytes))
+                .collect(),
+            forward_time: chain.blocks.iter().map(|b| b.forward_time).collect(),
+            options,
+        }
+    }
+
+    /// `xbar_{a+1}` of option `k` inside `T(·, a, b)`: the output (a copy of `x_L` if the loss
+    /// is behind, i.e. `b < L`) and the saved bytes.
+    fn xbar(&self, a: usize, k: usize, b: usize) -> u64 {
+        let out = if a + 1 == self.len && b < self.len {
+            self.output_copy
+        } else {
+            self.x[a + 1]
+        };
+        out + self.options[a][k].saved
+    }
+
+    /// Memory `Fe(a, k)` and `B(a, k)` need inside `T(·, a, b)`, beyond the caller's.
+    fn enable_peak(&self, a: usize, k: usize, b: usize) -> u64 {
+        let o = &self.options[a][k];
+        let xbar = self.xbar(a, k, b);
+        let forward = self.delta[b + 1] + xbar + o.forward_temp;
+        let backward = self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp;
+        forward.max(backward)
+    }
+
+    /// Memory `Fck(a)` needs inside `T(·, a, b)`.
+    fn check_peak(&self, a: usize, b: usize) -> u64 {
+        self.delta[b + 1] + self.x[a + 1] + self.forward_temp[a]
+    }
+
+    /// Memory `Fn(i)` needs inside `T(·, a, b)`.
+    fn nograd_peak(&self, i: usize, b: usize) -> u64 {
+        self.delta[b + 1] + self.x[i] + self.x[i + 1] + self.forward_temp[i]
+    }
+}
+
+/// Index of the pair `a <= b` among `0..=L`, row by row.
+struct Pairs {
+    n: usize,
+}
+
+impl Pairs {
+    fn count(&self) -> usize {
+        self.n * (self.n + 1) / 2
+    }
+
+    fn at(&self, a: usize, b: usize) -> usize {
+        a * self.n - a * a.saturating_sub(1) / 2 + (b - a)
+    }
+}
+
+/// The least memory (in the costs' units) with which `T(·, 0, L)` is feasible.
+fn min_memory(costs: &Costs) -> u64 {
+    let len = costs.len;
+    let pairs = Pairs { n: len + 1 };
+    let mut need = vec![u64::MAX; pairs.count()];
+    for d in 0..=len {
+        for a in 0..=len - d {
+            let b = a + d;
+            let best = if a == len {
+                0
+            } else {
+                let enable = (0..costs.options[a].len()).map(|k| {
+                    let rest = if a == b {
+                        0
+                    } else {
+                        costs.xbar(a, k, b) + need[pairs.at(a + 1, b)]
+                    };
+                    costs.enable_peak(a, k, b).max(rest)
+                });
+                let mut best = enable.min().expect("a block has options");
+                let mut forward = costs.check_peak(a, b);
+                for j in a + 1..=b {
+                    let rest = (costs.x[j] + need[pairs.at(j, b)]).max(need[pairs.at(a, j - 1)]);
+                    best = best.min(forward.max(rest));
+                    if j < b {
+                        forward = forward.max(costs.nograd_peak(j, b));
+                    }
+                }
+                best
+            };
+            need[pairs.at(a, b)] = best;
+        }
+    }
+    need[pairs.at(0, len)]
+}
+
+/// Choice of `T(m, a, b)`: the loss, a checkpoint `x_j`, or `Fe` with option `k`.
+const LOSS: u32 = 0;
+const ENABLE: u32 = 1 << 31;
+const NONE: u32 = u32::MAX;
+
+/// The filled tables `T(m, a, b)` and their choices, for `m` in `0..=capacity`: one row of
+/// `capacity + 1` entries per pair `a <= b`, so that each candidate is one pass over contiguous
+/// rows of its sub-chains (shifted by the memory they leave): cache-friendly, and 2.5-5x faster
+/// than filling the table one memory value at a time.
+struct Table {
+    pairs: Pairs,
+    width: usize,
+    time: Vec<f64>,
+    choice: Vec<u32>,
+}
+
+impl Table {
+    fn row(&self, a: usize, b: usize) -> std::ops::Range<usize> {
+        let start = self.pairs.at(a, b) * self.width;
+        start..start + self.width
+    }
+
+    fn fill(costs: &Costs, capacity: usize) -> Result<Table> {
+        let len = costs.len;
+        let pairs = Pairs { n: len + 1 };
+        let width = capacity + 1;
+        let entries = width.saturating_mul(pairs.count());
+        if entries > MAX_TABLE_ENTRIES {
+            return Err(Error::Solver(format!(
+                "the DP table for {len} blocks and {capacity} slots has {entries} entries (at most \
+                 {MAX_TABLE_ENTRIES}): use fewer slots"
+            )));
+        }
+        let mut table = Table {
+            pairs,
+            width,
+            time: vec![f64::INFINITY; entries],
+            choice: vec![NONE; entries],
+        };
+        let mut time = vec![f64::INFINITY; width];
+        let mut choice = vec![NONE; width];
+        for d in 0..=len {
+            for a in 0..=len - d {
+                table.best_row(costs, a, a + d, &mut time, &mut choice);
+                let row = table.row(a, a + d);
+                table.time[row.clone()].copy_from_slice(&time);
+                table.choice[row].copy_from_slice(&choice);
+            }
+        }
+        Ok(table)
+    }
+
+    /// `T(m, a, b)` for every `m`, from shorter sub-chains. Ties go to `Fe`, then to the
+    /// earliest checkpoint.
+    fn best_row(&self, costs: &Costs, a: usize, b: usize, time: &mut [f64], choice: &mut [u32]) {
+        if a == costs.len {
+            time.fill(0.0);
+            choice.fill(LOSS);
+            return;
+        }
+        time.fill(f64::INFINITY);
+        choice.fill(NONE);
+        let width = self.width;
+        for (k, option) in costs.options[a].iter().enumerate() {
+            let from = costs.enable_peak(a, k, b) as usize;
+            if from >= width {
+                continue;
+            }
+            let tag = ENABLE | k as u32;
+            if a == b {
+                improve(&mut time[from..], &mut choice[from..], tag, |_| option.time);
+            } else {
+                let xbar = costs.xbar(a, k, b) as usize;
+                let rest = &self.time[self.row(a + 1, b)][from - xbar..width - xbar];
+                improve(&mut time[from..], &mut choice[from..], tag, |i| {
+                    option.time + rest[i]
+                });
+            }
+        }
+        if a == b {
+            return;
+        }
+        let mut forward = costs.forward_time[a];
+        let mut forward_peak = costs.check_peak(a, b);
+        for j in a + 1..=b {
+            let x = costs.x[j] as usize;
+            let from = (forward_peak as usize).max(x);
+            if from >= width {
+                break;
+            }
+            let later = &self.time[self.row(j, b)][from - x..width - x];
+            let first = &self.time[self.row(a, j - 1)][from..];
+            improve(&mut time[from..], &mut choice[from..], j as u32, |i| {
+                forward + later[i] + first[i]
+            });
+            if j < b {
+                forward_peak = forward_peak.max(costs.nograd_peak(j, b));
+                forward += costs.forward_time[j];
+            }
+        }
+    }
+
+    /// The op sequence of `T(capacity, 0, L)`.
+    fn rebuild(&self, costs: &Costs, capacity: usize) -> Vec<ChainOp> {
+        let mut ops = Vec::new();
+        self.rebuild_into(costs, capacity, 0, costs.len, &mut ops);
+        ops
+    }
+
+    fn rebuild_into(&self, costs: &Costs, m: usize, a: usize, b: usize, ops: &mut Vec<ChainOp>) {
+        match self.choice[self.row(a, b).start + m] {
+            LOSS => ops.push(ChainOp::Loss),
+            NONE => unreachable!("rebuilding an infeasible entry"),
+            c if c & ENABLE != 0 => {
+                let option = (c & !ENABLE) as usize;
+                ops.push(ChainOp::ForwardEnable { block: a, option });
+                if a < b {
+                    let xbar = costs.xbar(a, option, b) as usize;
+                    self.rebuild_into(costs, m - xbar, a + 1, b, ops);
+                }
+                ops.push(ChainOp::Backward { block: a, option });
+            }
+            j => {
+                let j = j as usize;
+                ops.push(ChainOp::ForwardCheck { block: a });
+                ops.extend((a + 1..j).map(|block| ChainOp::ForwardNoGrad { block }));
+                self.rebuild_into(costs, m - costs.x[j] as usize, j, b, ops);
+                self.rebuild_into(costs, m, a, j - 1, ops);
+            }
+        }
+    }
+}
+
+/// `time[i] = min(time[i], candidate(i))`, recording `tag` where the candidate is strictly less.
+#[inline]
+fn improve(time: &mut [f64], choice: &mut [u32], tag: u32, candidate: impl Fn(usize) -> f64) {
+    for (i, (t, c)) in time.iter_mut().zip(choice.iter_mut()).enumerate() {
+        let value = candidate(i);
+        if value < *t {
+            *t = value;
+            *c = tag;
+        }
+    }
+}

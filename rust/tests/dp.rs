@@ -1,0 +1,459 @@
+//! rotor's DP over chains: equal to an exhaustive search on small chains, sequences that the
+//! simulator accepts under the limit, and a few cases whose answer is known.
+
+use proptest::prelude::*;
+use remat::chain::{notation, Block, BlockOption, Chain, ChainOp, ChainSequence};
+use remat::dp::{limits, min_limit, solve, DEFAULT_SLOTS};
+use remat::Error;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+fn option(forward_time: f64, backward_time: f64, saved: u64, temps: (u64, u64)) -> BlockOption {
+    BlockOption {
+        forward_time,
+        backward_time,
+        saved_bytes: saved,
+        forward_temp_bytes: temps.0,
+        backward_temp_bytes: temps.1,
+    }
+}
+
+fn block(forward_time: f64, forward_temp: u64, options: Vec<BlockOption>) -> Block {
+    Block {
+        name: String::new(),
+        forward_time,
+        forward_temp_bytes: forward_temp,
+        options,
+    }
+}
+
+/// `n` identical blocks: activations of `size` bytes, 1 s forward (with or without grad), 2 s
+/// backward, nothing saved beyond the activations; input and output of 0 bytes.
+fn uniform(n: usize, size: u64) -> Chain {
+    let mut sizes = vec![size; n + 1];
+    sizes[0] = 0;
+    sizes[n] = 0;
+    let blocks = (0..n)
+        .map(|_| block(1.0, 0, vec![option(1.0, 2.0, 0, (0, 0))]))
+        .collect();
+    Chain::new(sizes, blocks, 0).unwrap()
+}
+
+fn solved(chain: &Chain, limit: u64) -> ChainSequence {
+    let sequence = solve(chain, limit, DEFAULT_SLOTS).unwrap();
+    let replay = chain.simulate(&sequence.ops).unwrap();
+    assert_eq!(replay, sequence.predicted, "the prediction is the replay");
+    assert!(replay.peak_bytes <= limit, "{replay:?} above {limit}");
+    sequence
+}
+
+fn count(ops: &[ChainOp], pred: impl Fn(&ChainOp) -> bool) -> usize {
+    ops.iter().filter(|op| pred(op)).count()
+}
+
+#[test]
+fn plain_pytorch_when_it_fits() {
+    let chain = uniform(4, 10);
+    let (_, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    let sequence = solved(&chain, plain);
+    assert_eq!(
+        notation(&sequence.ops),
+        "Fe(0) Fe(1) Fe(2) Fe(3) Loss B(3) B(2) B(1) B(0)"
+    );
+    assert_eq!(sequence.predicted.time, 12.0);
+    assert_eq!(sequence.predicted.recomputed_time, 0.0);
+    // B(2): x_1, x_2, x_3 (in xbars), δ_3 and the new δ_2, 10 B each.
+    assert_eq!(plain, 50);
+}
+
+#[test]
+fn a_tighter_limit_recomputes_and_a_lower_one_more() {
+    let chain = uniform(6, 10);
+    let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    assert!(min < plain, "{min} {plain}");
+    let mut last_time = 0.0;
+    for limit in (min..=plain).rev().step_by(10) {
+        let sequence = solved(&chain, limit);
+        assert!(sequence.predicted.time >= last_time);
+        last_time = sequence.predicted.time;
+    }
+    let lowest = solved(&chain, min);
+    assert!(lowest.predicted.recomputed_time > 0.0);
+    assert!(
+        count(&lowest.ops, |op| matches!(
+            op,
+            ChainOp::ForwardNoGrad { .. }
+        )) > 0
+    );
+}
+
+#[test]
+fn below_the_minimum_the_error_names_it() {
+    let chain = uniform(5, 10);
+    let min = min_limit(&chain, DEFAULT_SLOTS);
+    match solve(&chain, min - 1, DEFAULT_SLOTS) {
+        Err(Error::Infeasible { budget, min_budget }) => {
+            assert_eq!((budget, min_budget), (min - 1, min));
+        }
+        other => panic!("expected an infeasible limit, got {other:?}"),
+    }
+    solved(&chain, min);
+}
+
+#[test]
+fn one_block_and_the_loss() {
+    let chain = Chain::new(
+        vec![8, 4],
+        vec![block(1.0, 0, vec![option(1.0, 1.0, 16, (2, 3))])],
+        5,
+    )
+    .unwrap();
+    let sequence = solved(&chain, 1 << 20);
+    assert_eq!(notation(&sequence.ops), "Fe(0) Loss B(0)");
+    // Held: output and its gradient (4 + 4) and 5 extra; B(0): 16 saved + δ_0 (8) + 3 temp.
+    assert_eq!(sequence.predicted.peak_bytes, 13 + 16 + 8 + 3);
+    assert_eq!(sequence.predicted.forward_peak_bytes, 13 + 16 + 2);
+}
+
+#[test]
+fn the_cheaper_option_is_chosen_where_memory_allows() {
+    // Option 0 saves 100 B and is fast; option 1 saves 0 B and is slow. Block 1 is the same.
+    let options = || vec![option(1.0, 1.0, 100, (0, 0)), option(5.0, 5.0, 0, (0, 0))];
+    let chain = Chain::new(
+        vec![0, 1, 0],
+        vec![block(1.0, 0, options()), block(1.0, 0, options())],
+        0,
+    )
+    .unwrap();
+    let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    // B(1): x_1 (1 B) and δ_1 (1 B) beside both saved 100 B.
+    assert_eq!(plain, 202);
+    let roomy = solved(&chain, plain);
+    assert_eq!(notation(&roomy.ops), "Fe(0) Fe(1) Loss B(1) B(0)");
+    // One saved 100 B at a time: recomputing block 0 (1 s) beats a slow option (8 s more).
+    let one_at_a_time = solved(&chain, 102);
+    assert_eq!(
+        notation(&one_at_a_time.ops),
+        "Fck(0) Fe(1) Loss B(1) Fe(0) B(0)"
+    );
+    assert_eq!(one_at_a_time.predicted.time, 5.0);
+    assert_eq!(min, 2);
+    let tight = solved(&chain, min);
+    assert_eq!(notation(&tight.ops), "Fe(0,1) Fe(1,1) Loss B(1,1) B(0,1)");
+}
+
+#[test]
+fn json_round_trip_and_bad_chains() {
+    let chain = uniform(3, 7);
+    assert_eq!(Chain::from_json(&chain.to_json()).unwrap(), chain);
+    let text = solve(&chain, 1000, 10).unwrap().to_json();
+    let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(value["schema"], "remat.chain_sequence");
+    assert_eq!(value["ops"][0]["op"], "fe");
+    assert!(value["notation"].as_str().unwrap().starts_with("Fe(0)"));
+    let bad = r#"{"schema": "remat.chain", "version": 1, "sizes": [1], "blocks": [
+        {"forward_time": 1.0, "options": []}]}"#;
+    assert!(matches!(Chain::from_json(bad), Err(Error::Graph(m)) if m.contains("2 sizes")));
+    let other = r#"{"schema": "remat.chain", "version": 2, "sizes": [], "blocks": []}"#;
+    assert!(matches!(Chain::from_json(other), Err(Error::Graph(m)) if m.contains("version")));
+}
+
+#[test]
+fn the_simulator_rejects_invalid_sequences() {
+    let chain = uniform(2, 4);
+    let bad = [
+        vec![ChainOp::Loss],
+        vec![ChainOp::ForwardNoGrad { block: 0 }],
+        vec![
+            ChainOp::ForwardCheck { block: 0 },
+            ChainOp::ForwardCheck { block: 1 },
+            ChainOp::Loss,
+            ChainOp::Backward {
+                block: 1,
+                option: 0,
+            },
+        ],
+        vec![
+            ChainOp::ForwardEnable {
+                block: 0,
+                option: 0,
+            },
+            ChainOp::ForwardEnable {
+                block: 1,
+                option: 0,
+            },
+            ChainOp::Loss,
+        ],
+    ];
+    for ops in bad {
+        assert!(
+            matches!(chain.simulate(&ops), Err(Error::Schedule(_))),
+            "{} was accepted",
+            notation(&ops)
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exhaustive search: every persistent sequence of Fn/Fck/Fe/Loss/B ops under the same memory
+// rules, as a shortest path over states. rotor's DP is optimal among *persistent* sequences: an
+// input kept by `Fck` or `Fe` (a checkpoint) stays until its own backward; only the intermediate
+// values of a forward sweep are dropped by `Fn`. (Without that rule a sequence may consume a
+// checkpoint early and recompute it later, which can be faster; rotor does not search those.)
+// Sizes are small integers so that 500 slots are exact (one byte per slot).
+
+/// `State::x` values: not alive, an intermediate, a checkpoint, or inside `xbar` (+ option).
+const ABSENT: u8 = 0;
+const PLAIN: u8 = 1;
+const KEPT: u8 = 2;
+const XBAR: u8 = 3;
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct State {
+    x: Vec<u8>,
+    /// `x_L` made after the loss (a copy that counts).
+    output_copy: bool,
+    /// The gradient held (`u8::MAX`: none).
+    delta: u8,
+    backward: bool,
+}
+
+struct Search<'c> {
+    chain: &'c Chain,
+    capacity: u64,
+}
+
+impl Search<'_> {
+    fn x_bytes(&self, s: &State, i: usize) -> u64 {
+        let len = self.chain.len();
+        match i {
+            0 => 0,
+            i if i == len && !s.output_copy => 0,
+            i => self.chain.sizes[i],
+        }
+    }
+
+    fn delta_bytes(&self, i: usize) -> u64 {
+        if i == self.chain.len() {
+            0
+        } else {
+            self.chain.sizes[i]
+        }
+    }
+
+    fn saved(&self, i: usize, x: u8) -> u64 {
+        self.chain.blocks[i - 1].options[(x - XBAR) as usize].saved_bytes
+    }
+
+    fn live(&self, s: &State) -> u64 {
+        let mut live = 0;
+        for i in 1..s.x.len() {
+            if s.x[i] != ABSENT {
+                live += self.x_bytes(s, i);
+            }
+            if s.x[i] >= XBAR {
+                live += self.saved(i, s.x[i]);
+            }
+        }
+        if s.delta != u8::MAX {
+            live += self.delta_bytes(s.delta as usize);
+        }
+        live
+    }
+
+    /// Every op that can run from `s` within the capacity: (next state, time, op).
+    fn moves(&self, s: &State) -> Vec<(State, f64, ChainOp)> {
+        let len = self.chain.len();
+        let live = self.live(s);
+        let mut out = Vec::new();
+        let made = |mut next: State, i: usize, value: u8| {
+            next.x[i + 1] = value;
+            if i + 1 == len {
+                next.output_copy = s.backward;
+            }
+            if next.x[i] == PLAIN && value >= XBAR {
+                next.x[i] = KEPT;
+            }
+            next
+        };
+        for i in 0..len {
+            let b = &self.chain.blocks[i];
+            if s.x[i] != ABSENT && s.x[i + 1] == ABSENT {
+                let mut next = made(s.clone(), i, PLAIN);
+                if live + self.x_bytes(&next, i + 1) + b.forward_temp_bytes <= self.capacity {
+                    let time = b.forward_time;
+                    if i > 0 && s.x[i] == PLAIN {
+                        let mut drop = next.clone();
+                        drop.x[i] = ABSENT;
+                        out.push((drop, time, ChainOp::ForwardNoGrad { block: i }));
+                        next.x[i] = KEPT;
+                    }
+                    out.push((next, time, ChainOp::ForwardCheck { block: i }));
+                }
+                for (k, o) in b.options.iter().enumerate() {
+                    let next = made(s.clone(), i, XBAR + k as u8);
+                    let grow = self.x_bytes(&next, i + 1) + o.saved_bytes;
+                    if live + grow + o.forward_temp_bytes <= self.capacity {
+                        let op = ChainOp::ForwardEnable {
+                            block: i,
+                            option: k,
+                        };
+                        out.push((next, o.forward_time, op));
+                    }
+                }
+            }
+            if s.backward && s.delta as usize == i + 1 && s.x[i + 1] >= XBAR && s.x[i] != ABSENT {
+                let option = (s.x[i + 1] - XBAR) as usize;
+                let o = &b.options[option];
+                if live + self.delta_bytes(i) + o.backward_temp_bytes <= self.capacity {
+                    let mut next = s.clone();
+                    next.x[i + 1] = ABSENT;
+                    if i + 1 == len {
+                        next.output_copy = false;
+                    }
+                    if i > 0 && s.x[i] < XBAR {
+                        next.x[i] = ABSENT;
+                    }
+                    next.delta = i as u8;
+                    out.push((
+                        next,
+                        o.backward_time,
+                        ChainOp::Backward { block: i, option },
+                    ));
+                }
+            }
+        }
+        if !s.backward && s.x[len] != ABSENT {
+            let mut next = s.clone();
+            next.backward = true;
+            next.delta = len as u8;
+            if next.x[len] < XBAR {
+                next.x[len] = ABSENT; // a stored output is handed to the caller
+            }
+            out.push((next, 0.0, ChainOp::Loss));
+        }
+        out
+    }
+
+    /// A sequence of least time (times are integers, so sums are exact).
+    fn best(&self) -> Option<(f64, Vec<ChainOp>)> {
+        let len = self.chain.len();
+        let mut x = vec![ABSENT; len + 1];
+        x[0] = KEPT;
+        let start = State {
+            x,
+            output_copy: false,
+            delta: u8::MAX,
+            backward: false,
+        };
+        let mut dist: HashMap<State, u64> = HashMap::from([(start.clone(), 0)]);
+        let mut heap = BinaryHeap::from([Reverse((0u64, 0usize))]);
+        // Per state pushed: the state, and the state and op it came from.
+        let mut states = vec![(start, usize::MAX, ChainOp::Loss)];
+        while let Some(Reverse((d, id))) = heap.pop() {
+            let s = states[id].0.clone();
+            if dist[&s] < d {
+                continue;
+            }
+            if s.backward && s.delta == 0 && s.x[1..].iter().all(|&v| v == ABSENT) {
+                let mut ops = Vec::new();
+                let mut at = id;
+                while states[at].1 != usize::MAX {
+                    ops.push(states[at].2);
+                    at = states[at].1;
+                }
+                ops.reverse();
+                return Some((d as f64, ops));
+            }
+            for (next, time, op) in self.moves(&s) {
+                let nd = d + time as u64;
+                if dist.get(&next).is_none_or(|&old| nd < old) {
+                    dist.insert(next.clone(), nd);
+                    states.push((next, id, op));
+                    heap.push(Reverse((nd, states.len() - 1)));
+                }
+            }
+        }
+        None
+    }
+}
+
+fn brute_force(chain: &Chain, limit: u64) -> Option<(f64, Vec<ChainOp>)> {
+    let capacity = limit.checked_sub(chain.held_bytes())?;
+    Search { chain, capacity }.best()
+}
+
+fn arb_option() -> impl Strategy<Value = BlockOption> {
+    (1..6u32, 1..6u32, 0..8u64, 0..3u64, 0..3u64)
+        .prop_map(|(f, b, s, ft, bt)| option(f as f64, b as f64, s, (ft, bt)))
+}
+
+fn arb_chain() -> impl Strategy<Value = Chain> {
+    (1..=6usize).prop_flat_map(|n| {
+        let options = if n <= 4 { 1..=2usize } else { 1..=1usize };
+        let blocks = prop::collection::vec(
+            (
+                1..4u32,
+                0..3u64,
+                prop::collection::vec(arb_option(), options),
+            )
+                .prop_map(|(t, tmp, opts)| block(t as f64, tmp, opts)),
+            n,
+        );
+        (prop::collection::vec(0..8u64, n + 1), blocks, 0..3u64)
+            .prop_map(|(sizes, blocks, extra)| Chain::new(sizes, blocks, extra).unwrap())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// The DP's time equals the exhaustive search's at any limit, and below the smallest
+    /// feasible limit both fail, the DP naming that limit exactly.
+    #[test]
+    fn dp_equals_brute_force(chain in arb_chain(), level in -0.2..1.0f64) {
+        let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
+        let limit = (min as f64 + (plain - min) as f64 * level).max(0.0) as u64;
+        let want = brute_force(&chain, limit);
+        match solve(&chain, limit, DEFAULT_SLOTS) {
+            Ok(sequence) => {
+                let replay = chain.simulate(&sequence.ops).unwrap();
+                prop_assert!(replay.peak_bytes <= limit);
+                let (time, ops) = want.expect("the DP found a sequence");
+                prop_assert_eq!(
+                    replay.time, time, "limit {}: DP {} vs exhaustive {}",
+                    limit, notation(&sequence.ops), notation(&ops)
+                );
+            }
+            Err(Error::Infeasible { min_budget, .. }) => {
+                prop_assert!(want.is_none());
+                prop_assert!(brute_force(&chain, min_budget).is_some());
+                prop_assert!(brute_force(&chain, min_budget - 1).is_none());
+            }
+            Err(e) => prop_assert!(false, "{e}"),
+        }
+    }
+
+    /// With coarse slots (sizes rounded up), the plan still fits the limit in bytes, and the
+    /// named smallest limit is feasible.
+    #[test]
+    fn coarse_slots_stay_under_the_limit(
+        chain in arb_chain().prop_map(|c| Chain::new(
+            c.sizes.iter().map(|s| s * 1000 + 7).collect(),
+            c.blocks.iter().map(|b| {
+                let mut b = b.clone();
+                for o in &mut b.options { o.saved_bytes *= 997; }
+                b
+            }).collect(),
+            c.extra_bytes,
+        ).unwrap()),
+        slots in 2..40usize,
+        level in 0.0..1.0f64,
+    ) {
+        let (min, plain) = limits(&chain, slots).unwrap();
+        prop_assert!(solve(&chain, min, slots).is_ok());
+        let limit = min + ((plain - min) as f64 * level) as u64;
+        let sequence = solve(&chain, limit, slots).unwrap();
+        prop_assert!(chain.simulate(&sequence.ops).unwrap().peak_bytes <= limit);
+    }
+}
