@@ -43,7 +43,10 @@ fn plans_within_budget(name: &str, time_limit: f64) {
         assert!(report.peak_bytes <= budget);
         // Whichever won, the ILP or the keep-set heuristic (status `fallback`), it recomputes no
         // more than keeping nothing does.
-        assert!(report.time <= keep_nothing_time + 1e-9, "{name} at {budget}: {solver:?}");
+        assert!(
+            report.time <= keep_nothing_time + 1e-9,
+            "{name} at {budget}: {solver:?}"
+        );
     }
 }
 
