@@ -127,11 +127,11 @@ def _emit(
         args, kwargs = fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
         target = node.fx_node.target
         if node.id in replayed and node.id in states:  # a replay: same random numbers as the first run
-            replay_args = (states[node.id], _device_of(node), target, *args)
+            replay_args = (states[node.id], device_of(node), target, *args)
             result = _call(graph, run_with_rng_state, replay_args, kwargs, node.fx_node.name)
         else:
             if node.id in replayed:  # the first run draws from the caller's generator, as plain PyTorch
-                states[node.id] = _call(graph, save_rng_state, (_device_of(node),), {}, "rng_state")
+                states[node.id] = _call(graph, save_rng_state, (device_of(node),), {}, "rng_state")
             result = _call(graph, target, args, kwargs, node.fx_node.name)
         for vid in node.outputs:
             index = g.values[vid].index
@@ -148,7 +148,7 @@ def _call(graph: fx.Graph, target, args, kwargs, name: str) -> fx.Node:
     return graph.create_node("call_function", target, tuple(args), kwargs, name=clean)
 
 
-def _device_of(node) -> str:
+def device_of(node) -> str:
     val = node.fx_node.meta.get("val")
     tensors = [val] if isinstance(val, torch.Tensor) else [t for t in val if isinstance(t, torch.Tensor)]
     device = tensors[0].device

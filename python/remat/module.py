@@ -12,7 +12,7 @@ from torch import nn
 from . import _core, tree
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
-from .executor import Phases, build_phases
+from .executor import Phases, build_phases, device_of, save_rng_state
 from .graph import JointGraph
 from .trace import graph_inputs, trace
 
@@ -174,28 +174,15 @@ def _make_plan(model, args, kwargs, budget, time_limit: float, mip_gap: float) -
 def _reserve(g: JointGraph) -> int:
     """Bytes the executor may hold beyond the graph's values: RNG states of replayed random
     nodes and pre-step copies of buffers the step updates."""
-    rng = sum(_rng_state_bytes(n) for n in g.nodes if n.random and n.phase == "forward")
-    mutated = {
-        g.captured.output_bindings[i].target
-        for i in range(len(g.captured.outputs))
-        if g.captured.output_bindings[i].kind == "mutation"
-    }
-    buffers = sum(v.bytes for v in g.values if v.kind == "buffer" and _buffer_name(g, v.id) in mutated)
+    rng = sum(save_rng_state(device_of(n)).numel() for n in g.nodes if n.random and n.phase == "forward")
+    c = g.captured
+    mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
+    buffers = sum(
+        g.values[g.value_of[ph]].bytes
+        for ph, b in zip(c.placeholders, c.bindings)
+        if b.kind == "buffer" and b.target in mutated
+    )
     return rng + buffers
-
-
-def _rng_state_bytes(node) -> int:
-    from .executor import _device_of, save_rng_state
-
-    return save_rng_state(_device_of(node)).numel()
-
-
-def _buffer_name(g: JointGraph, vid: int) -> str | None:
-    source = g.values[vid].source
-    for ph, b in zip(g.captured.placeholders, g.captured.bindings):
-        if ph is source and b.kind == "buffer":
-            return b.target
-    return None
 
 
 class _Step(torch.autograd.Function):
