@@ -191,13 +191,12 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, vids: list[int], *tensors: torch.Tensor):
         g, phases = plan.graph, plan.phases
-        by_vid = dict(zip(vids, tensors))
-        consts = _constants(g)
-        result = phases.forward([by_vid[v] if v in by_vid else consts[v] for v in phases.forward_inputs])
+        by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
+        result = phases.forward([by_vid[v] for v in phases.forward_inputs])
         n_out = len(phases.forward_outputs)
         produced = dict(zip(phases.forward_outputs, result[:n_out]))
         ctx.plan, ctx.vids = plan, vids
-        ctx.inputs = {v: by_vid.get(v, consts.get(v)) for v in phases.backward_inputs}
+        ctx.inputs = {v: by_vid.get(v) for v in phases.backward_inputs}  # tangents come later
         _update_buffers(g, produced, ctx.inputs, by_vid)
         ctx.saved = list(result[n_out:])
         del result
@@ -217,11 +216,6 @@ class _Step(torch.autograd.Function):
         grads = dict(zip(phases.grads, phases.backward(args)))
         by_input = _grads_by_input(g, grads)
         return (None, None, *[by_input.get(v) for v in ctx.vids])
-
-
-def _constants(g: JointGraph) -> dict[int, torch.Tensor]:
-    gm = g.captured.gm
-    return {g.value_of[n]: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
 
 def _user_outputs(g: JointGraph):
