@@ -25,13 +25,17 @@ fn resnet_like(n: usize) -> Chain {
                 name: format!("block{i}"),
                 forward_time: t,
                 forward_temp_bytes: sizes[i] / 4,
+                forward_peak_bytes: None,
                 options: vec![BlockOption {
                     forward_time: 1.1 * t,
                     backward_time: 2.0 * t,
                     saved_bytes: sizes[i] * (1 + (i % 2) as u64),
                     forward_temp_bytes: sizes[i] / 4,
                     backward_temp_bytes: sizes[i] / 2,
+                    forward_peak_bytes: None,
+                    backward_peak_bytes: None,
                 }],
+                once: false,
             }
         })
         .collect();

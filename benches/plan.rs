@@ -14,6 +14,7 @@ use std::time::Duration;
 const GRAPHS: [&str; 4] = ["mlp", "cnn", "encoder_2l", "gpt2_2l"];
 const FRACTIONS: [(u32, f64); 3] = [(60, 0.6), (30, 0.3), (5, 0.05)];
 const OPTIONS: PlanOptions = PlanOptions {
+    solver: remat::Solver::Checkmate,
     time_limit: 1.0,
     mip_gap: 0.01,
 };

@@ -20,8 +20,9 @@ OUT = Path(__file__).resolve().parent.parent / "rust" / "tests" / "graphs"
 def gpt2(layers: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=2048, n_positions=128)
-    config.bos_token_id = config.eos_token_id = 0
+    config = GPT2Config(
+        n_layer=layers, n_embd=128, n_head=4, vocab_size=2048, n_positions=128, bos_token_id=0, eos_token_id=0
+    )
     return lambda: (GPT2LMHeadModel(config), torch.randint(2048, (4, 128)))
 
 
@@ -30,11 +31,24 @@ def mlp():
     return model, torch.randn(64, 256)
 
 
-def cnn():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from models import SmallCNN
+def _test_models():
+    """tests/models.py, whose constructors some entries reuse."""
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import models
 
-    return SmallCNN(), torch.randn(16, 3, 32, 32)
+    return models
+
+
+def cnn():
+    return _test_models().SmallCNN(), torch.randn(16, 3, 32, 32)
+
+
+def from_tests(name: str):
+    """The model and sample of tests/models.py's ``name``: ResNet-50 (torchvision), nn.Transformer
+    (a tuple sample), MLP-Mixer (timm), UNet."""
+    return lambda: getattr(_test_models(), name)()
 
 
 def encoder():
@@ -42,24 +56,31 @@ def encoder():
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), torch.randn(8, 64, 128)
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "encoder_2l": encoder, **{f"gpt2_{n}l": gpt2(n) for n in (2, 6, 12, 24)}}
+MODELS = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "encoder_2l": encoder,
+    **{f"gpt2_{n}l": gpt2(n) for n in (2, 6, 12, 24)},
+    **{name: from_tests(name) for name in ("resnet50", "transformer", "mixer", "unet")},
+}
 
 
-def save(name: str) -> Path:
+def save(name: str) -> tuple[Path, int]:
+    """Save ``name``'s graph; return its path and number of nodes."""
     torch.manual_seed(0)
     model, sample = MODELS[name]()
     model.train()
-    g = trace(model, (sample,), {})
+    args = sample if isinstance(sample, tuple) else (sample,)
+    g = trace(model, args, {})
     g.name = name
     path = OUT / f"{name}.json"
     path.write_text(g.to_json())
-    return path
+    return path, len(g.nodes)
 
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     for name in sys.argv[1:] or MODELS:
-        path = save(name)
-        print(
-            f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}: {path.stat().st_size} bytes"
-        )
+        path, nodes = save(name)
+        shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+        print(f"{shown}: {path.stat().st_size} bytes, {nodes} nodes")

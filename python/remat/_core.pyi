@@ -3,8 +3,11 @@ formats of docs/formats.md."""
 
 __version__: str
 
-def plan(graph_json: str, budget: int, time_limit: float = 30.0, mip_gap: float = 0.01) -> str:
-    """Schedule of least time whose simulated peak is at most ``budget`` bytes.
+def plan(
+    graph_json: str, budget: int, solver: str = "rockmate", time_limit: float = 30.0, mip_gap: float = 0.01
+) -> str:
+    """Schedule of least time whose simulated peak is at most ``budget`` bytes, by ``solver``
+    (``"rockmate"``, ``"rotor"`` or ``"checkmate"``).
 
     Raises remat.InfeasibleBudget below the smallest feasible budget, remat.GraphError on a
     malformed graph. Releases the GIL while solving.

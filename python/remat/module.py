@@ -16,7 +16,7 @@ from .executor import Phases, build_phases, device_of, save_rng_state
 from .graph import JointGraph
 from .trace import graph_inputs, trace
 
-SOLVERS = ("checkmate", "none")
+SOLVERS = ("rockmate", "rotor", "checkmate", "none")
 
 
 class Remat(nn.Module):
@@ -29,9 +29,12 @@ class Remat(nn.Module):
             keyword arguments. Calls must use inputs of the same shapes, dtypes and device.
         budget: bytes (int), a fraction in (0, 1] of plain PyTorch's activation peak (float),
             or ``None`` for no limit.
-        solver: ``"checkmate"`` (whole-graph ILP) or ``"none"`` (plain PyTorch, for comparison).
-        time_limit: seconds the ILP may run; the best schedule found by then is used.
-        mip_gap: relative optimality gap at which the ILP stops.
+        solver: ``"rockmate"`` (blocks, per-block ILP options, DP over the chain of blocks),
+            ``"rotor"`` (DP over the same blocks, each stored or recomputed whole),
+            ``"checkmate"`` (one ILP over the whole graph) or ``"none"`` (plain PyTorch, for
+            comparison).
+        time_limit: seconds an ILP may run; the best schedule found by then is used.
+        mip_gap: relative optimality gap at which an ILP stops.
 
     In eval mode or under ``torch.no_grad()`` the plain model runs.
     """
@@ -42,7 +45,7 @@ class Remat(nn.Module):
         sample: Any,
         budget: int | float | None = None,
         *,
-        solver: str = "checkmate",
+        solver: str = "rockmate",
         time_limit: float = 30.0,
         mip_gap: float = 0.01,
     ) -> None:
@@ -56,7 +59,7 @@ class Remat(nn.Module):
         self._sample_signature = _signature(args, kwargs)
         self._plan: _Plan | None = None
         if solver != "none":
-            self._plan = _make_plan(model, args, kwargs, budget, time_limit, mip_gap)
+            self._plan = _make_plan(model, args, kwargs, budget, solver, time_limit, mip_gap)
 
     # What was planned, for reports and tests.
     @property
@@ -147,7 +150,7 @@ class _Plan:
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
-def _make_plan(model, args, kwargs, budget, time_limit: float, mip_gap: float) -> _Plan:
+def _make_plan(model, args, kwargs, budget, solver: str, time_limit: float, mip_gap: float) -> _Plan:
     g = trace(model, args, kwargs)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
@@ -163,7 +166,7 @@ def _make_plan(model, args, kwargs, budget, time_limit: float, mip_gap: float) -
     # Plain PyTorch needs no RNG replays or buffer copies; otherwise keep room for them.
     plan_budget = target if target >= plain_peak else target - reserve
     try:
-        schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), time_limit, mip_gap))
+        schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), solver, time_limit, mip_gap))
     except InfeasibleBudget as exc:
         raise InfeasibleBudget(target, exc.min_budget + reserve) from None
     held_back = target - plan_budget

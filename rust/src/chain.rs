@@ -14,6 +14,7 @@
 //!   [`Chain::extra_bytes`] (what the executor keeps, e.g. RNG states).
 //! - A copy of `x_L` computed after the loss (a recomputation of the last block) counts too.
 //! - Each op allocates its outputs, then peaks with its temporaries on top.
+//! - A [`Block::once`] block runs exactly once, with grad (`Fe`), before the loss.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -41,6 +42,16 @@ pub struct BlockOption {
     /// Bytes allocated and freed during `B` beyond what is alive before it and `δ_i`.
     #[serde(default)]
     pub backward_temp_bytes: u64,
+    /// The block's own peak during `Fe`, its output and saved bytes counted as they appear
+    /// (Rockmate's options know it): `Fe` then peaks at what was alive before it plus the larger
+    /// of this and output + saved bytes, instead of those plus `forward_temp_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_peak_bytes: Option<u64>,
+    /// The block's own peak during `B`, `δ_{i+1}`, `xbar_{i+1}` and `δ_i` counted while alive:
+    /// `B` then peaks at what is alive besides `δ_{i+1}` and `xbar_{i+1}` plus the largest of
+    /// this, `δ_{i+1}` + `xbar_{i+1}`, and `δ_i`, instead of the sum plus `backward_temp_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward_peak_bytes: Option<u64>,
 }
 
 /// One block of the chain: its run without grad and its options with grad.
@@ -54,15 +65,31 @@ pub struct Block {
     /// Bytes allocated and freed during `Fn`/`Fck` beyond the input and output.
     #[serde(default)]
     pub forward_temp_bytes: u64,
+    /// The block's own peak during `Fn`/`Fck`, its output counted as it appears, when known:
+    /// they then peak at what was alive before plus the larger of this and the output, instead
+    /// of those plus `forward_temp_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forward_peak_bytes: Option<u64>,
     pub options: Vec<BlockOption>,
+    /// The block runs exactly once, with grad (`Fe`), before the loss: never `Fn`/`Fck`, never
+    /// recomputed (e.g. it makes a model output that is never freed).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub once: bool,
 }
 
-/// A chain of `blocks.len()` blocks; `sizes[i]` is the bytes of `x_i` and of `δ_i`. The input
-/// `x_0` is the caller's and never counted: `sizes[0]` only counts `δ_0` (0 if the input needs
-/// no gradient).
+fn is_false(b: &bool) -> bool {
+    !b
+}
+
+/// A chain of `blocks.len()` blocks; `sizes[i]` is the bytes of `x_i`, and of `δ_i` unless
+/// `deltas` says otherwise ([`Chain::delta`]). The input `x_0` is the caller's and never counted:
+/// `sizes[0]` only counts `δ_0` when `deltas` is empty (0 if the input needs no gradient).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Chain {
     pub sizes: Vec<u64>,
+    /// Bytes of each gradient `δ_i` (`blocks.len() + 1` entries), or empty: `δ_i` is `sizes[i]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deltas: Vec<u64>,
     pub blocks: Vec<Block>,
     /// Bytes the executor holds for the whole step (e.g. saved RNG states).
     #[serde(default)]
@@ -178,9 +205,18 @@ impl Chain {
     pub fn new(sizes: Vec<u64>, blocks: Vec<Block>, extra_bytes: u64) -> Result<Chain> {
         let chain = Chain {
             sizes,
+            deltas: Vec::new(),
             blocks,
             extra_bytes,
         };
+        chain.validate()?;
+        Ok(chain)
+    }
+
+    /// The chain with gradients `δ_i` of `deltas[i]` bytes (`len() + 1` entries) instead of
+    /// `sizes[i]`; an empty `deltas` restores `sizes`.
+    pub fn with_deltas(self, deltas: Vec<u64>) -> Result<Chain> {
+        let chain = Chain { deltas, ..self };
         chain.validate()?;
         Ok(chain)
     }
@@ -219,6 +255,15 @@ impl Chain {
                 self.sizes.len()
             ));
         }
+        if !self.deltas.is_empty() && self.deltas.len() != self.blocks.len() + 1 {
+            return bad(format!(
+                "{} blocks need {} deltas (each gradient δ_i, as sizes) or none (δ_i of sizes[i] \
+                 bytes), found {}",
+                self.blocks.len(),
+                self.blocks.len() + 1,
+                self.deltas.len()
+            ));
+        }
         for (i, block) in self.blocks.iter().enumerate() {
             if block.options.is_empty() {
                 return bad(format!("block {i} has no option to run with grad"));
@@ -250,9 +295,18 @@ impl Chain {
         self.blocks.is_empty()
     }
 
+    /// Bytes of the gradient `δ_i`, `i` in `0..=L`.
+    pub fn delta(&self, i: usize) -> u64 {
+        if self.deltas.is_empty() {
+            self.sizes[i]
+        } else {
+            self.deltas[i]
+        }
+    }
+
     /// Bytes counted for the whole step: the output, its gradient and the executor's extra.
     pub fn held_bytes(&self) -> u64 {
-        2 * self.sizes[self.len()] + self.extra_bytes
+        self.sizes[self.len()] + self.delta(self.len()) + self.extra_bytes
     }
 
     /// Plain PyTorch's sequence: every block once with grad, with its fastest option.
@@ -318,6 +372,8 @@ struct Replay<'c> {
     x_bytes: Vec<u64>,
     /// The gradient held: `δ_i`.
     delta: Option<usize>,
+    /// Whether block `i` ran with grad (`Fe`) already: a [`Block::once`] block runs once.
+    enabled: Vec<bool>,
     backward: bool,
     live: u64,
     forward_peak: u64,
@@ -335,6 +391,7 @@ impl<'c> Replay<'c> {
             x,
             x_bytes: vec![0; chain.len() + 1],
             delta: None,
+            enabled: vec![false; chain.len()],
             backward: false,
             live: 0,
             forward_peak: 0,
@@ -358,7 +415,7 @@ impl<'c> Replay<'c> {
         if i == self.chain.len() {
             0
         } else {
-            self.chain.sizes[i]
+            self.chain.delta(i)
         }
     }
 
@@ -400,14 +457,21 @@ impl<'c> Replay<'c> {
         match op {
             ChainOp::ForwardNoGrad { block: i } | ChainOp::ForwardCheck { block: i } => {
                 self.check_forward(i)?;
+                if self.block(i)?.once {
+                    return Err(format!("block {i} runs only once, with grad (Fe)"));
+                }
                 let drop_input = matches!(op, ChainOp::ForwardNoGrad { .. });
                 if drop_input && (i == 0 || self.x[i] != Held::Plain) {
                     return Err(format!("Fn drops x_{i}, which is not a stored activation"));
                 }
                 let out = self.new_x_bytes(i + 1);
                 let block = self.block(i)?;
+                let before = self.live;
                 self.live += out;
-                self.peak(self.live + block.forward_temp_bytes);
+                match block.forward_peak_bytes {
+                    Some(own) => self.peak(self.live.max(before + own)),
+                    None => self.peak(self.live + block.forward_temp_bytes),
+                }
                 self.x[i + 1] = Held::Plain;
                 self.x_bytes[i + 1] = out;
                 if drop_input {
@@ -422,9 +486,19 @@ impl<'c> Replay<'c> {
             } => {
                 self.check_forward(i)?;
                 let option = self.option(i, k)?;
+                // Its first run is before the loss, as `x_L` needs it and `Fn`/`Fck` cannot
+                // make it: a run after the loss is a second one.
+                if self.block(i)?.once && self.enabled[i] {
+                    return Err(format!("block {i} runs only once, and it ran already"));
+                }
+                self.enabled[i] = true;
                 let out = self.new_x_bytes(i + 1);
+                let before = self.live;
                 self.live += out + option.saved_bytes;
-                self.peak(self.live + option.forward_temp_bytes);
+                match option.forward_peak_bytes {
+                    Some(own) => self.peak(self.live.max(before + own)),
+                    None => self.peak(self.live + option.forward_temp_bytes),
+                }
                 self.x[i + 1] = Held::InXbar(k);
                 self.x_bytes[i + 1] = out;
                 self.time += option.forward_time;
@@ -466,8 +540,19 @@ impl<'c> Replay<'c> {
                     return Err(format!("its input x_{i} is not alive"));
                 }
                 let grad = self.delta_bytes(i);
-                self.live += grad;
-                self.peak(self.live + option.backward_temp_bytes);
+                match option.backward_peak_bytes {
+                    Some(own) => {
+                        let mine =
+                            self.delta_bytes(i + 1) + option.saved_bytes + self.x_bytes[i + 1];
+                        let base = self.live - mine;
+                        self.peak(base + own.max(mine).max(grad));
+                        self.live += grad;
+                    }
+                    None => {
+                        self.live += grad;
+                        self.peak(self.live + option.backward_temp_bytes);
+                    }
+                }
                 self.live -= self.delta_bytes(i + 1) + option.saved_bytes;
                 self.release_x(i + 1);
                 self.delta = Some(i);

@@ -10,6 +10,11 @@
 //! - run block `a` with grad, option `k`: `Fe(a, k)`, then `T(m - xbar_{a+1}(k), a+1, b)`, then
 //!   `B(a, k)`.
 //!
+//! A checkpoint `x_j` runs blocks `a` to `j-1` without grad, so none of them may be a
+//! [`crate::chain::Block::once`] block. Then every block runs with grad exactly once (each `Fe`
+//! has its `B`), and a `once` block before the loss: sub-chains after the loss (`T(m, a, j-1)`
+//! of a checkpoint) have no `once` block.
+//!
 //! Memory is discretized into `slots` slots of `ceil(avail / slots)` bytes, sizes rounded *up*,
 //! so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
 //! bytes. Tables are dense and filled iteratively, by sub-chain length: `O(slots · L²)` memory
@@ -174,6 +179,10 @@ struct OptionCost {
     saved: u64,
     forward_temp: u64,
     backward_temp: u64,
+    /// [`crate::chain::BlockOption::forward_peak_bytes`].
+    forward_peak: Option<u64>,
+    /// [`crate::chain::BlockOption::backward_peak_bytes`].
+    backward_peak: Option<u64>,
     time: f64,
 }
 
@@ -187,8 +196,13 @@ struct Costs {
     /// `x_L` recomputed after the loss: a copy beside the caller's.
     output_copy: u64,
     forward_temp: Vec<u64>,
+    /// [`crate::chain::Block::forward_peak_bytes`].
+    nograd_own_peak: Vec<Option<u64>>,
     forward_time: Vec<f64>,
     options: Vec<Vec<OptionCost>>,
+    /// The first [`crate::chain::Block::once`] block at or after `a` (`L` if none), `a` in
+    /// `0..=L`.
+    next_once: Vec<usize>,
 }
 
 impl Costs {
@@ -196,7 +210,7 @@ impl Costs {
         let len = chain.len();
         let up = |bytes: u64| bytes.div_ceil(unit);
         let mut x: Vec<u64> = chain.sizes.iter().map(|&s| up(s)).collect();
-        let mut delta = x.clone();
+        let mut delta: Vec<u64> = (0..=len).map(|i| up(chain.delta(i))).collect();
         x[0] = 0;
         x[len] = 0;
         delta[len] = 0;
@@ -211,11 +225,21 @@ impl Costs {
                         saved: up(o.saved_bytes),
                         forward_temp: up(o.forward_temp_bytes),
                         backward_temp: up(o.backward_temp_bytes),
+                        forward_peak: o.forward_peak_bytes.map(up),
+                        backward_peak: o.backward_peak_bytes.map(up),
                         time: o.forward_time + o.backward_time,
                     })
                     .collect()
             })
             .collect();
+        let mut next_once = vec![len; len + 1];
+        for a in (0..len).rev() {
+            next_once[a] = if chain.blocks[a].once {
+                a
+            } else {
+                next_once[a + 1]
+            };
+        }
         Costs {
             len,
             x,
@@ -226,9 +250,21 @@ impl Costs {
                 .iter()
                 .map(|b| up(b.forward_temp_bytes))
                 .collect(),
+            nograd_own_peak: chain
+                .blocks
+                .iter()
+                .map(|b| b.forward_peak_bytes.map(up))
+                .collect(),
             forward_time: chain.blocks.iter().map(|b| b.forward_time).collect(),
             options,
+            next_once,
         }
+    }
+
+    /// The checkpoints `x_j` that `T(·, a, b)` may take: blocks `a` to `j-1` run without grad,
+    /// so `j` stops at the first `once` block.
+    fn checkpoints(&self, a: usize, b: usize) -> std::ops::RangeInclusive<usize> {
+        a + 1..=b.min(self.next_once[a])
     }
 
     /// `xbar_{a+1}` of option `k` inside `T(·, a, b)`: the output (a copy of `x_L` if the loss
@@ -246,19 +282,34 @@ impl Costs {
     fn enable_peak(&self, a: usize, k: usize, b: usize) -> u64 {
         let o = &self.options[a][k];
         let xbar = self.xbar(a, k, b);
-        let forward = self.delta[b + 1] + xbar + o.forward_temp;
-        let backward = self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp;
+        let forward = self.delta[b + 1]
+            + match o.forward_peak {
+                Some(own) => xbar.max(own),
+                None => xbar + o.forward_temp,
+            };
+        let backward = match o.backward_peak {
+            Some(own) => (self.delta[a + 1] + xbar).max(own).max(self.delta[a]),
+            None => self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp,
+        };
         forward.max(backward)
+    }
+
+    /// Memory block `i` needs running without grad, beyond what is alive before it.
+    fn nograd_own(&self, i: usize) -> u64 {
+        match self.nograd_own_peak[i] {
+            Some(own) => self.x[i + 1].max(own),
+            None => self.x[i + 1] + self.forward_temp[i],
+        }
     }
 
     /// Memory `Fck(a)` needs inside `T(·, a, b)`.
     fn check_peak(&self, a: usize, b: usize) -> u64 {
-        self.delta[b + 1] + self.x[a + 1] + self.forward_temp[a]
+        self.delta[b + 1] + self.nograd_own(a)
     }
 
     /// Memory `Fn(i)` needs inside `T(·, a, b)`.
     fn nograd_peak(&self, i: usize, b: usize) -> u64 {
-        self.delta[b + 1] + self.x[i] + self.x[i + 1] + self.forward_temp[i]
+        self.delta[b + 1] + self.x[i] + self.nograd_own(i)
     }
 }
 
@@ -298,7 +349,7 @@ fn min_memory(costs: &Costs) -> u64 {
                 });
                 let mut best = enable.min().expect("a block has options");
                 let mut forward = costs.check_peak(a, b);
-                for j in a + 1..=b {
+                for j in costs.checkpoints(a, b) {
                     let rest = (costs.x[j] + need[pairs.at(j, b)]).max(need[pairs.at(a, j - 1)]);
                     best = best.min(forward.max(rest));
                     if j < b {
@@ -397,7 +448,7 @@ impl Table {
         }
         let mut forward = costs.forward_time[a];
         let mut forward_peak = costs.check_peak(a, b);
-        for j in a + 1..=b {
+        for j in costs.checkpoints(a, b) {
             let x = costs.x[j] as usize;
             let from = (forward_peak as usize).max(x);
             if from >= width {
@@ -437,6 +488,10 @@ impl Table {
             }
             j => {
                 let j = j as usize;
+                debug_assert!(
+                    costs.checkpoints(a, b).contains(&j),
+                    "no Fn/Fck of once blocks"
+                );
                 ops.push(ChainOp::ForwardCheck { block: a });
                 ops.extend((a + 1..j).map(|block| ChainOp::ForwardNoGrad { block }));
                 self.rebuild_into(costs, m - costs.x[j] as usize, j, b, ops);

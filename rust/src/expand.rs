@@ -41,6 +41,26 @@ pub fn schedule_of(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<
     Ok(free_at_last_use(graph, &em.end_backward()?))
 }
 
+/// The node-level schedule running the groups of `forward`, then those of `backward`, in order
+/// (not yet simulated). A group may run again: its previous outputs are dropped first, so every
+/// later read sees the new ones. Each value is freed right after its last use.
+pub fn schedule_of_sequence(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    forward: &[usize],
+    backward: &[usize],
+) -> Result<Schedule> {
+    let mut em = Emitter::new(graph, sg);
+    for &g in forward {
+        em.rerun_group(g)?;
+    }
+    em.end_forward()?;
+    for &g in backward {
+        em.rerun_group(g)?;
+    }
+    Ok(free_at_last_use(graph, &em.end_backward()?))
+}
+
 /// The same computations, each value freed right after its last use (the generated code frees
 /// there too). A plan may keep a storage into a stage that never uses it; this never frees later
 /// than the plan, so memory only falls, and the simulated peak matches what runs.
@@ -166,6 +186,23 @@ impl<'a> Emitter<'a> {
             }
         }
         self.live_storage[s] = false;
+    }
+
+    /// Runs `g`, dropping its outputs first if they are alive.
+    fn rerun_group(&mut self, g: usize) -> Result<()> {
+        for &s in &self.sg.groups[g].outputs {
+            if !self.live_storage[s] {
+                continue;
+            }
+            if self.held(s) {
+                return Err(Error::Schedule(format!(
+                    "internal error: group {g} runs again while its held output {} is alive",
+                    self.graph.value(self.sg.storages[s].owner).name
+                )));
+            }
+            self.free_storage(s);
+        }
+        self.compute_group(g)
     }
 
     fn compute_group(&mut self, g: usize) -> Result<()> {

@@ -35,6 +35,9 @@ pub struct SolveOptions {
     pub mip_gap: f64,
     /// Where recomputations may be placed.
     pub recompute: Recompute,
+    /// Most bytes alive entering the first backward stage (what the forward phase saves), if
+    /// limited: how Rockmate asks a block for options of different sizes.
+    pub saved_limit: Option<u64>,
 }
 
 /// Solves for the fastest plan keeping memory within `budget` bytes; `None` when HiGHS found no
@@ -52,6 +55,9 @@ pub fn solve(
     model.add_no_recompute_while_alive();
     for t in 0..sg.groups.len() {
         model.add_memory(t);
+    }
+    if let Some(limit) = options.saved_limit {
+        model.add_saved_limit(limit);
     }
     let warm = warm_start.map(|plan| model.values_of(plan));
     model.solve(options, warm)
@@ -195,6 +201,16 @@ impl<'a> Model<'a> {
                 self.subtract_frees(t, k, &mut before);
             }
         }
+    }
+
+    /// `sum S[first_backward][s] bytes(s) <= limit`.
+    fn add_saved_limit(&mut self, limit: u64) {
+        let t = self.sg.first_backward;
+        let mut e = Expression::with_capacity(self.sg.storages.len());
+        for (st, storage) in self.sg.storages.iter().enumerate() {
+            self.s[t][st].add_to(&mut e, self.bytes(storage.bytes));
+        }
+        self.rows.push(e.leq(self.bytes(limit)));
     }
 
     fn stage_start_memory(&self, t: usize) -> Expression {

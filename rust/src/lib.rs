@@ -12,13 +12,16 @@
 //! by [`chain::Chain::simulate`].
 
 pub mod baseline;
+pub mod block;
 pub mod chain;
 pub mod dp;
 pub mod error;
 pub mod expand;
 pub mod graph;
 pub mod ilp;
+pub mod partition;
 pub mod plan;
+pub mod rockmate;
 pub mod schedule;
 pub mod simplify;
 pub mod simulate;
@@ -29,6 +32,6 @@ mod python;
 pub use chain::{Chain, ChainOp, ChainSequence};
 pub use error::{Error, Result};
 pub use graph::Graph;
-pub use plan::{budget_range, plan, PlanOptions};
+pub use plan::{budget_range, plan, PlanOptions, Solver};
 pub use schedule::{Op, Schedule, SolverInfo, SolverStatus};
 pub use simulate::{simulate, Report};

@@ -1,22 +1,59 @@
 //! The entry point: a graph and a budget in, a simulated schedule out.
 
 use crate::baseline;
+use crate::block::OptionSearch;
 use crate::error::{Error, Result};
 use crate::expand::{schedule_of, StagePlan};
 use crate::graph::Graph;
 use crate::ilp;
+use crate::partition::{partition, PartitionOptions};
+use crate::rockmate::{self, Hierarchy, HierarchyOptions};
 use crate::schedule::{Schedule, SolverInfo, SolverStatus};
 use crate::simplify::{simplify, Recompute, SimpleGraph};
 use crate::simulate::simulate;
 use std::time::Instant;
 
-/// The name recorded in `solver.name` of the schedules [`plan`] returns.
-pub const SOLVER_NAME: &str = "checkmate";
+/// Which solver plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Solver {
+    /// Rockmate: blocks, per-block ILP options, rotor's DP over the chain of blocks.
+    #[default]
+    Rockmate,
+    /// rotor: the DP over the same blocks, each stored whole or recomputed whole.
+    Rotor,
+    /// Checkmate: one ILP over the whole graph.
+    Checkmate,
+}
+
+impl Solver {
+    /// The name recorded in `solver.name` of the schedules it makes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Solver::Rockmate => "rockmate",
+            Solver::Rotor => "rotor",
+            Solver::Checkmate => "checkmate",
+        }
+    }
+
+    /// The solver called `name`.
+    pub fn from_name(name: &str) -> Result<Solver> {
+        match name {
+            "rockmate" => Ok(Solver::Rockmate),
+            "rotor" => Ok(Solver::Rotor),
+            "checkmate" => Ok(Solver::Checkmate),
+            other => Err(Error::Solver(format!(
+                "unknown solver {other:?}: use \"rockmate\", \"rotor\" or \"checkmate\""
+            ))),
+        }
+    }
+}
 
 /// Solver settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PlanOptions {
-    /// Seconds HiGHS may run; the best schedule found by then is returned.
+    pub solver: Solver,
+    /// Seconds an ILP may run (Checkmate's whole-graph ILP; each of Rockmate's per-block ILPs
+    /// runs at most 0.25 s of it); the best solution found by then is used.
     pub time_limit: f64,
     /// Relative MIP gap at which HiGHS stops.
     pub mip_gap: f64,
@@ -25,8 +62,35 @@ pub struct PlanOptions {
 impl Default for PlanOptions {
     fn default() -> Self {
         PlanOptions {
+            solver: Solver::Rockmate,
             time_limit: 30.0,
             mip_gap: 0.01,
+        }
+    }
+}
+
+/// Memory levels at which Rockmate solves each block class's ILP (twice: saved bytes, peak).
+const ILP_LEVELS: usize = 3;
+/// Most options per block: the DP's time grows with them.
+const MAX_OPTIONS: usize = 16;
+/// Seconds each per-block ILP may run at most: its incumbent only adds an option, and the
+/// keep-set family gives the others.
+const BLOCK_ILP_SECONDS: f64 = 0.25;
+
+impl PlanOptions {
+    /// The hierarchical solvers' settings.
+    pub fn hierarchy(&self) -> HierarchyOptions {
+        HierarchyOptions {
+            partition: PartitionOptions::default(),
+            search: OptionSearch {
+                ilp_levels: ILP_LEVELS,
+                ilp_time_limit: self.time_limit.min(BLOCK_ILP_SECONDS),
+                mip_gap: self.mip_gap,
+                max_options: MAX_OPTIONS,
+            },
+            rotor: self.solver == Solver::Rotor,
+            slots: crate::dp::DEFAULT_SLOTS,
+            probes: 16,
         }
     }
 }
@@ -34,13 +98,13 @@ impl Default for PlanOptions {
 /// The fastest schedule found whose activation memory stays within `budget` bytes.
 ///
 /// Plain PyTorch's schedule when it fits; [`Error::Infeasible`] below the keep-nothing
-/// schedule's peak; otherwise Checkmate's ILP, warm-started with the best keep-set heuristic
-/// schedule, which is returned (status `fallback`) when the ILP finds nothing better in time.
+/// schedule's peak; otherwise the chosen solver's schedule, or the best keep-set heuristic
+/// schedule when that is faster (status `fallback`).
 pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedule> {
     check_options(options)?;
     let start = Instant::now();
     let info = |status| SolverInfo {
-        name: SOLVER_NAME.into(),
+        name: options.solver.name().into(),
         status,
         seconds: start.elapsed().as_secs_f64(),
         budget,
@@ -65,24 +129,58 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
         Recompute::Anywhere
     };
     let (heuristic_plan, heuristic) = fastest_keep_set(graph, &sg, budget, recompute)?;
+    let solved = match options.solver {
+        Solver::Checkmate => checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?,
+        Solver::Rockmate | Solver::Rotor => {
+            let hierarchy_options = options.hierarchy();
+            let blocks = partition(&sg, hierarchy_options.partition);
+            if blocks.len() == 1 && options.solver == Solver::Rockmate {
+                // One block: its ILP at the budget itself is the whole-graph ILP.
+                checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?
+            } else {
+                let hierarchy = Hierarchy::of_partition(graph, &sg, blocks, &hierarchy_options)?;
+                let schedule =
+                    rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
+                schedule.map(|s| (s, hierarchy.status))
+            }
+        }
+    };
+    match solved {
+        Some((schedule, status)) if time(&schedule) <= time(&heuristic) => {
+            Ok(with_info(schedule, info(status)))
+        }
+        _ => Ok(with_info(heuristic, info(SolverStatus::Fallback))),
+    }
+}
+
+/// Checkmate's ILP over the whole graph, warm-started with `heuristic`; `None` when it finds
+/// nothing within the budget in time.
+fn checkmate(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    budget: u64,
+    options: &PlanOptions,
+    recompute: Recompute,
+    heuristic: &StagePlan,
+) -> Result<Option<(Schedule, SolverStatus)>> {
+    let heuristic_peak = peak(&simulated(graph, sg, heuristic)?);
     // Solve a hair below the budget so HiGHS's feasibility tolerance cannot push the real peak
     // over it (never below what the heuristic schedule needs).
-    let target = budget - (budget / 1_000_000).min(budget - peak(&heuristic));
+    let target = budget - (budget / 1_000_000).min(budget - heuristic_peak);
     let solve_options = ilp::SolveOptions {
         time_limit: options.time_limit,
         mip_gap: options.mip_gap,
         recompute,
+        saved_limit: None,
     };
-    let solved = ilp::solve(&sg, target, solve_options, Some(&heuristic_plan))?;
-    let fallback = |heuristic: Schedule| Ok(with_info(heuristic, info(SolverStatus::Fallback)));
-    let Some(solution) = solved else {
-        return fallback(heuristic);
+    let Some(solution) = ilp::solve(sg, target, solve_options, Some(heuristic))? else {
+        return Ok(None);
     };
-    let schedule = simulated(graph, &sg, &solution.plan)?;
-    if peak(&schedule) > budget || time(&schedule) > time(&heuristic) {
-        return fallback(heuristic);
+    let schedule = simulated(graph, sg, &solution.plan)?;
+    if peak(&schedule) > budget {
+        return Ok(None);
     }
-    Ok(with_info(schedule, info(solution.status)))
+    Ok(Some((schedule, solution.status)))
 }
 
 /// The fastest plan within `budget` of the family "keep every recomputable storage except the
@@ -139,6 +237,7 @@ fn check_options(options: &PlanOptions) -> Result<()> {
     let PlanOptions {
         time_limit,
         mip_gap,
+        ..
     } = *options;
     if time_limit.is_nan() || time_limit <= 0.0 {
         return Err(Error::Solver(format!(

@@ -1,21 +1,25 @@
 //! `remat._core`: JSON strings in and out; the GIL is released while planning. Only converts
 //! types: every decision is made by the Rust API.
 
-use crate::{Chain, Error, Graph, PlanOptions, Schedule};
+use crate::{Chain, Error, Graph, PlanOptions, Schedule, Solver};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-/// `plan(graph_json, budget, time_limit=30.0, mip_gap=0.01) -> str`: the schedule JSON.
+/// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01) -> str`: the
+/// schedule JSON.
 #[pyfunction]
-#[pyo3(name = "plan", signature = (graph_json, budget, time_limit = 30.0, mip_gap = 0.01))]
+#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01))]
 fn py_plan(
     py: Python<'_>,
     graph_json: String,
     budget: u64,
+    solver: &str,
     time_limit: f64,
     mip_gap: f64,
 ) -> PyResult<String> {
+    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
     let options = PlanOptions {
+        solver,
         time_limit,
         mip_gap,
     };

@@ -66,6 +66,23 @@ pub struct SimpleGraph {
 }
 
 impl SimpleGraph {
+    /// A graph of groups and storages built by hand (a block's sub-problem): it has no values,
+    /// so [`SimpleGraph::storage_of`] must not be called on it. Groups must be in topological
+    /// order, forward ones first, and each storage's `users` ascending.
+    pub fn from_parts(groups: Vec<Group>, storages: Vec<Storage>, tangent_bytes: u64) -> Self {
+        let first_backward = groups
+            .iter()
+            .position(|g| g.phase == Phase::Backward)
+            .unwrap_or(groups.len());
+        SimpleGraph {
+            groups,
+            storages,
+            first_backward,
+            tangent_bytes,
+            storage_of_value: Vec::new(),
+        }
+    }
+
     /// The group storage `value` lives in (`None` for graph inputs, tangents and their views).
     pub fn storage_of(&self, value: usize) -> Option<usize> {
         self.storage_of_value[value]

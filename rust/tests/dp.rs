@@ -15,6 +15,8 @@ fn option(forward_time: f64, backward_time: f64, saved: u64, temps: (u64, u64)) 
         saved_bytes: saved,
         forward_temp_bytes: temps.0,
         backward_temp_bytes: temps.1,
+        forward_peak_bytes: None,
+        backward_peak_bytes: None,
     }
 }
 
@@ -23,7 +25,9 @@ fn block(forward_time: f64, forward_temp: u64, options: Vec<BlockOption>) -> Blo
         name: String::new(),
         forward_time,
         forward_temp_bytes: forward_temp,
+        forward_peak_bytes: None,
         options,
+        once: false,
     }
 }
 
@@ -194,6 +198,163 @@ fn the_simulator_rejects_invalid_sequences() {
     }
 }
 
+/// `chain` with the blocks `once` run only once.
+fn with_once(mut chain: Chain, once: &[usize]) -> Chain {
+    for &i in once {
+        chain.blocks[i].once = true;
+    }
+    chain
+}
+
+fn fe(block: usize) -> ChainOp {
+    ChainOp::ForwardEnable { block, option: 0 }
+}
+
+fn bw(block: usize) -> ChainOp {
+    ChainOp::Backward { block, option: 0 }
+}
+
+#[test]
+fn the_simulator_runs_once_blocks_once_with_grad() {
+    let chain = with_once(uniform(3, 4), &[1]);
+    let (fck, fnn) = (
+        |block| ChainOp::ForwardCheck { block },
+        |block| ChainOp::ForwardNoGrad { block },
+    );
+    let rejected = [
+        (vec![fck(0), fnn(1)], "op 1 (Fn(1))"),
+        (vec![fe(0), fck(1)], "op 1 (Fck(1))"),
+        (
+            vec![fe(0), fe(1), fe(2), ChainOp::Loss, bw(2), bw(1), fe(1)],
+            "op 6 (Fe(1))",
+        ),
+    ];
+    for (ops, op) in rejected {
+        match chain.simulate(&ops) {
+            Err(Error::Schedule(m)) => {
+                assert!(m.starts_with(op) && m.contains("only once"), "{m}")
+            }
+            other => panic!("{} gave {other:?}", notation(&ops)),
+        }
+    }
+    // Recomputing the blocks around it is fine.
+    let ops = [
+        fck(0),
+        fe(1),
+        fe(2),
+        ChainOp::Loss,
+        bw(2),
+        bw(1),
+        fe(0),
+        bw(0),
+    ];
+    chain.simulate(&ops).unwrap();
+    chain.simulate(&chain.plain_ops()).unwrap();
+}
+
+/// The sequences of `chain` at every limit from the smallest feasible to plain PyTorch's.
+fn all_limits(chain: &Chain) -> Vec<Vec<ChainOp>> {
+    let (min, plain) = limits(chain, DEFAULT_SLOTS).unwrap();
+    (min..=plain)
+        .map(|limit| solved(chain, limit).ops)
+        .collect()
+}
+
+#[test]
+fn once_blocks_are_never_recomputed() {
+    // Block 1 has two options; the output is large.
+    let mut sizes = vec![10; 6];
+    sizes[0] = 0;
+    sizes[5] = 30;
+    let mut blocks: Vec<Block> = (0..5)
+        .map(|_| block(1.0, 0, vec![option(1.0, 2.0, 5, (0, 0))]))
+        .collect();
+    blocks[1].options.push(option(3.0, 3.0, 0, (0, 0)));
+    let free = Chain::new(sizes, blocks, 0).unwrap();
+    // The last block: recomputing it never saves memory (x_L is the caller's before the loss, a
+    // copy after it), so the flag costs nothing.
+    let last = with_once(free.clone(), &[4]);
+    for (ops, free_ops) in all_limits(&last).iter().zip(all_limits(&free)) {
+        assert!(
+            ops.iter().filter_map(no_grad).all(|i| i != 4),
+            "{}",
+            notation(ops)
+        );
+        let time = |ops: &[ChainOp]| last.simulate(ops).unwrap().time;
+        assert_eq!(time(ops), time(&free_ops));
+    }
+    // A block inside: no checkpoint after it before the loss, so the smallest limit rises.
+    let inside = with_once(free.clone(), &[2]);
+    let ops = all_limits(&inside);
+    assert!(ops.iter().flatten().filter_map(no_grad).all(|i| i != 2));
+    assert!(min_limit(&inside, DEFAULT_SLOTS) > min_limit(&free, DEFAULT_SLOTS));
+    assert!(all_limits(&free)
+        .iter()
+        .flatten()
+        .filter_map(no_grad)
+        .any(|i| i == 2));
+}
+
+#[test]
+fn gradients_of_their_own_size() {
+    let chain = Chain::new(
+        vec![8, 4],
+        vec![block(1.0, 0, vec![option(1.0, 1.0, 16, (2, 3))])],
+        5,
+    )
+    .unwrap()
+    .with_deltas(vec![3, 6])
+    .unwrap();
+    assert_eq!((chain.delta(0), chain.delta(1)), (3, 6));
+    assert_eq!(chain.held_bytes(), 4 + 6 + 5);
+    let sequence = solved(&chain, 1 << 20);
+    // B(0): 16 saved + δ_0 (3) + 3 temp beside what is held.
+    assert_eq!(sequence.predicted.peak_bytes, 15 + 16 + 3 + 3);
+    assert_eq!(sequence.predicted.forward_peak_bytes, 15 + 16 + 2);
+    assert_eq!(Chain::from_json(&chain.to_json()).unwrap(), chain);
+    let same = chain.with_deltas(Vec::new()).unwrap();
+    assert_eq!(same.held_bytes(), 4 + 4 + 5);
+}
+
+#[test]
+fn deltas_of_the_wrong_length_are_an_error() {
+    let chain = uniform(3, 7);
+    match chain.clone().with_deltas(vec![1, 2, 3]) {
+        Err(Error::Graph(m)) => assert!(m.contains("3 blocks need 4 deltas"), "{m}"),
+        other => panic!("expected an invalid chain, got {other:?}"),
+    }
+    let mut text: serde_json::Value = serde_json::from_str(&chain.to_json()).unwrap();
+    text["deltas"] = serde_json::json!([1, 2]);
+    let parsed = Chain::from_json(&text.to_string());
+    assert!(matches!(parsed, Err(Error::Graph(m)) if m.contains("deltas")));
+}
+
+#[test]
+fn chain_files_without_the_new_fields_parse_as_before() {
+    let text = r#"{"schema": "remat.chain", "version": 1, "sizes": [0, 6, 2], "extra_bytes": 1,
+        "blocks": [
+            {"name": "a", "forward_time": 1.0, "options": [
+                {"forward_time": 1.0, "backward_time": 2.0, "saved_bytes": 3}]},
+            {"name": "b", "forward_time": 1.0, "options": [
+                {"forward_time": 1.0, "backward_time": 2.0, "saved_bytes": 3}]}]}"#;
+    let chain = Chain::from_json(text).unwrap();
+    assert!(chain.deltas.is_empty());
+    assert!(chain.blocks.iter().all(|b| !b.once));
+    assert_eq!(
+        (0..=2).map(|i| chain.delta(i)).collect::<Vec<_>>(),
+        [0, 6, 2]
+    );
+    assert_eq!(chain.held_bytes(), 2 + 2 + 1);
+    // Written back without them, as before.
+    let written = chain.to_json();
+    assert!(
+        !written.contains("deltas") && !written.contains("once"),
+        "{written}"
+    );
+    let flagged = with_once(chain.with_deltas(vec![1, 2, 3]).unwrap(), &[1]);
+    assert_eq!(Chain::from_json(&flagged.to_json()).unwrap(), flagged);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Exhaustive search: every persistent sequence of Fn/Fck/Fe/Loss/B ops under the same memory
 // rules, as a shortest path over states. rotor's DP is optimal among *persistent* sequences: an
@@ -237,7 +398,7 @@ impl Search<'_> {
         if i == self.chain.len() {
             0
         } else {
-            self.chain.sizes[i]
+            self.chain.delta(i)
         }
     }
 
@@ -280,7 +441,13 @@ impl Search<'_> {
             let b = &self.chain.blocks[i];
             if s.x[i] != ABSENT && s.x[i + 1] == ABSENT {
                 let mut next = made(s.clone(), i, PLAIN);
-                if live + self.x_bytes(&next, i + 1) + b.forward_temp_bytes <= self.capacity {
+                let out_bytes = self.x_bytes(&next, i + 1);
+                let need = match b.forward_peak_bytes {
+                    Some(own) => out_bytes.max(own),
+                    None => out_bytes + b.forward_temp_bytes,
+                };
+                let fits = live + need <= self.capacity;
+                if fits && !b.once {
                     let time = b.forward_time;
                     if i > 0 && s.x[i] == PLAIN {
                         let mut drop = next.clone();
@@ -290,10 +457,21 @@ impl Search<'_> {
                     }
                     out.push((next, time, ChainOp::ForwardCheck { block: i }));
                 }
-                for (k, o) in b.options.iter().enumerate() {
+                // A second `Fe` of a `once` block before the loss would need its `xbar` freed,
+                // by its `B`: forbidding it after the loss is enough.
+                let options = if b.once && s.backward {
+                    &[][..]
+                } else {
+                    &b.options[..]
+                };
+                for (k, o) in options.iter().enumerate() {
                     let next = made(s.clone(), i, XBAR + k as u8);
                     let grow = self.x_bytes(&next, i + 1) + o.saved_bytes;
-                    if live + grow + o.forward_temp_bytes <= self.capacity {
+                    let need = match o.forward_peak_bytes {
+                        Some(own) => grow.max(own),
+                        None => grow + o.forward_temp_bytes,
+                    };
+                    if live + need <= self.capacity {
                         let op = ChainOp::ForwardEnable {
                             block: i,
                             option: k,
@@ -305,7 +483,14 @@ impl Search<'_> {
             if s.backward && s.delta as usize == i + 1 && s.x[i + 1] >= XBAR && s.x[i] != ABSENT {
                 let option = (s.x[i + 1] - XBAR) as usize;
                 let o = &b.options[option];
-                if live + self.delta_bytes(i) + o.backward_temp_bytes <= self.capacity {
+                let peak = match o.backward_peak_bytes {
+                    Some(own) => {
+                        let mine = self.delta_bytes(i + 1) + o.saved_bytes + self.x_bytes(s, i + 1);
+                        live - mine + own.max(mine).max(self.delta_bytes(i))
+                    }
+                    None => live + self.delta_bytes(i) + o.backward_temp_bytes,
+                };
+                if peak <= self.capacity {
                     let mut next = s.clone();
                     next.x[i + 1] = ABSENT;
                     if i + 1 == len {
@@ -383,11 +568,26 @@ fn brute_force(chain: &Chain, limit: u64) -> Option<(f64, Vec<ChainOp>)> {
     Search { chain, capacity }.best()
 }
 
-fn arb_option() -> impl Strategy<Value = BlockOption> {
-    (1..6u32, 1..6u32, 0..8u64, 0..3u64, 0..3u64)
-        .prop_map(|(f, b, s, ft, bt)| option(f as f64, b as f64, s, (ft, bt)))
+/// An own peak (Rockmate's options) a third of the time.
+fn arb_own_peak() -> impl Strategy<Value = Option<u64>> {
+    prop_oneof![2 => Just(None), 1 => (0..16u64).prop_map(Some)]
 }
 
+fn arb_option() -> impl Strategy<Value = BlockOption> {
+    (
+        (1..6u32, 1..6u32, 0..8u64, 0..3u64, 0..3u64),
+        arb_own_peak(),
+        arb_own_peak(),
+    )
+        .prop_map(|((f, b, s, ft, bt), fp, bp)| BlockOption {
+            forward_peak_bytes: fp,
+            backward_peak_bytes: bp,
+            ..option(f as f64, b as f64, s, (ft, bt))
+        })
+}
+
+/// Chains of up to 6 blocks; gradients of their own sizes half of the time, a quarter of the
+/// blocks `once`, and the last one half of the time (a model output).
 fn arb_chain() -> impl Strategy<Value = Chain> {
     (1..=6usize).prop_flat_map(|n| {
         let options = if n <= 4 { 1..=2usize } else { 1..=1usize };
@@ -396,17 +596,66 @@ fn arb_chain() -> impl Strategy<Value = Chain> {
                 1..4u32,
                 0..3u64,
                 prop::collection::vec(arb_option(), options),
+                prop::bool::weighted(0.25),
+                arb_own_peak(),
             )
-                .prop_map(|(t, tmp, opts)| block(t as f64, tmp, opts)),
+                .prop_map(|(t, tmp, opts, once, own)| Block {
+                    once,
+                    forward_peak_bytes: own,
+                    ..block(t as f64, tmp, opts)
+                }),
             n,
         );
-        (prop::collection::vec(0..8u64, n + 1), blocks, 0..3u64)
-            .prop_map(|(sizes, blocks, extra)| Chain::new(sizes, blocks, extra).unwrap())
+        let deltas = prop_oneof![Just(Vec::new()), prop::collection::vec(0..8u64, n + 1)];
+        (
+            prop::collection::vec(0..8u64, n + 1),
+            deltas,
+            blocks,
+            prop::bool::weighted(0.5),
+            0..3u64,
+        )
+            .prop_map(|(sizes, deltas, mut blocks, last_once, extra)| {
+                blocks.last_mut().unwrap().once |= last_once;
+                let chain = Chain::new(sizes, blocks, extra).unwrap();
+                chain.with_deltas(deltas).unwrap()
+            })
     })
 }
 
+/// `chain` with sizes, gradients and saved bytes scaled up (and uneven), for coarse slots.
+fn scaled(chain: Chain) -> Chain {
+    let up = |s: &u64| s * 1000 + 7;
+    let blocks = chain
+        .blocks
+        .iter()
+        .map(|b| {
+            let mut b = b.clone();
+            for o in &mut b.options {
+                o.saved_bytes *= 997;
+                o.forward_peak_bytes = o.forward_peak_bytes.map(|p| p * 1000);
+                o.backward_peak_bytes = o.backward_peak_bytes.map(|p| p * 1000);
+            }
+            b.forward_peak_bytes = b.forward_peak_bytes.map(|p| p * 1000);
+            b
+        })
+        .collect();
+    let sizes = chain.sizes.iter().map(up).collect();
+    Chain::new(sizes, blocks, chain.extra_bytes)
+        .unwrap()
+        .with_deltas(chain.deltas.iter().map(up).collect())
+        .unwrap()
+}
+
+/// Fn or Fck of a block.
+fn no_grad(op: &ChainOp) -> Option<usize> {
+    match *op {
+        ChainOp::ForwardNoGrad { block } | ChainOp::ForwardCheck { block } => Some(block),
+        _ => None,
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(2000))]
 
     /// The DP's time equals the exhaustive search's at any limit, and below the smallest
     /// feasible limit both fail, the DP naming that limit exactly.
@@ -419,11 +668,17 @@ proptest! {
             Ok(sequence) => {
                 let replay = chain.simulate(&sequence.ops).unwrap();
                 prop_assert!(replay.peak_bytes <= limit);
+                let mut recomputed = sequence.ops.iter().filter_map(no_grad);
+                prop_assert!(recomputed.all(|i| !chain.blocks[i].once));
                 let (time, ops) = want.expect("the DP found a sequence");
                 prop_assert_eq!(
                     replay.time, time, "limit {}: DP {} vs exhaustive {}",
                     limit, notation(&sequence.ops), notation(&ops)
                 );
+                // The search's rules are the simulator's.
+                let searched = chain.simulate(&ops).unwrap();
+                prop_assert!(searched.peak_bytes <= limit);
+                prop_assert_eq!(searched.time, time);
             }
             Err(Error::Infeasible { min_budget, .. }) => {
                 prop_assert!(want.is_none());
@@ -438,15 +693,7 @@ proptest! {
     /// named smallest limit is feasible.
     #[test]
     fn coarse_slots_stay_under_the_limit(
-        chain in arb_chain().prop_map(|c| Chain::new(
-            c.sizes.iter().map(|s| s * 1000 + 7).collect(),
-            c.blocks.iter().map(|b| {
-                let mut b = b.clone();
-                for o in &mut b.options { o.saved_bytes *= 997; }
-                b
-            }).collect(),
-            c.extra_bytes,
-        ).unwrap()),
+        chain in arb_chain().prop_map(scaled),
         slots in 2..40usize,
         level in 0.0..1.0f64,
     ) {

@@ -146,7 +146,7 @@ fn a_planned_schedule_of_the_example_is_valid_json_for_python() {
     let schedule = remat::plan(&g, u64::MAX, &Default::default()).unwrap();
     let doc: Json = serde_json::from_str(&schedule.to_json()).unwrap();
     assert_eq!(doc["solver"]["status"], "optimal");
-    assert_eq!(doc["solver"]["name"], "checkmate");
+    assert_eq!(doc["solver"]["name"], "rockmate");
     // The 64-byte gradient becomes `.grad`: not activation memory.
     assert_eq!(doc["predicted"]["peak_bytes"], 16 + 16 + 8);
     assert_eq!(

@@ -11,6 +11,7 @@ use remat::simplify::Recompute;
 use remat::{budget_range, plan, simulate, Error, Graph, PlanOptions, Schedule, SolverStatus};
 
 const EXACT: PlanOptions = PlanOptions {
+    solver: remat::Solver::Checkmate,
     time_limit: 30.0,
     mip_gap: 0.0,
 };
@@ -90,6 +91,7 @@ fn the_ilp_alone_matches_plain_pytorch_when_memory_is_unlimited() {
         time_limit: 10.0,
         mip_gap: 0.0,
         recompute: remat::simplify::Recompute::Anywhere,
+        saved_limit: None,
     };
     let solved = remat::ilp::solve(&sg, 1_000_000, options, None)
         .unwrap()
@@ -128,11 +130,13 @@ fn below_the_minimum_the_budget_is_infeasible() {
 fn bad_options_are_solver_errors() {
     let g = four_layers();
     let bad_gap = PlanOptions {
+        solver: remat::Solver::Checkmate,
         time_limit: 1.0,
         mip_gap: -1.0,
     };
     assert!(matches!(plan(&g, 40, &bad_gap), Err(Error::Solver(_))));
     let bad_time = PlanOptions {
+        solver: remat::Solver::Checkmate,
         time_limit: 0.0,
         mip_gap: 0.0,
     };
@@ -204,6 +208,7 @@ fn ilp_time(g: &Graph, budget: u64, recompute: Recompute) -> Option<f64> {
         time_limit: 10.0,
         mip_gap: 0.0,
         recompute,
+        saved_limit: None,
     };
     let solved = remat::ilp::solve(&sg, budget, options, None).unwrap()?;
     assert_eq!(solved.status, SolverStatus::Optimal);

@@ -25,6 +25,7 @@ fn plans_within_budget(name: &str, time_limit: f64) {
         let budget = lo + ((hi - lo) as f64 * fraction) as u64;
         let start = Instant::now();
         let options = PlanOptions {
+            solver: remat::Solver::Checkmate,
             time_limit,
             mip_gap: 0.01,
         };
@@ -83,15 +84,57 @@ fn gpt2_2l_plans_within_budget() {
 #[ignore]
 fn report_solve_times() {
     let names = std::env::var("REMAT_GRAPHS").unwrap_or("mlp,cnn,encoder_2l,gpt2_2l".into());
+    let solver = std::env::var("REMAT_SOLVER").unwrap_or("rockmate".into());
+    let options = PlanOptions {
+        solver: remat::Solver::from_name(&solver).unwrap(),
+        ..PlanOptions::default()
+    };
     for name in names.split(',') {
         let g = load(name);
+        if options.solver != remat::Solver::Checkmate {
+            let start = Instant::now();
+            let sg = remat::simplify::simplify(&g);
+            let h = remat::rockmate::Hierarchy::build(&g, &sg, &options.hierarchy()).unwrap();
+            let sizes: Vec<usize> = h.blocks.iter().map(|b| b.sg.groups.len()).collect();
+            let options_per_class: Vec<usize> = h.options.iter().map(|o| o.len()).collect();
+            eprintln!(
+                "{name}: {} groups, {} blocks {sizes:?}, {} classes, options {options_per_class:?}, built in {:.2}s",
+                sg.groups.len(),
+                h.blocks.len(),
+                h.classes(),
+                start.elapsed().as_secs_f64()
+            );
+            eprintln!("  x {:?}\n  δ {:?}", h.partition.sizes, h.partition.deltas);
+            for (b, block) in h.chain.blocks.iter().enumerate() {
+                let opts: Vec<String> = block
+                    .options
+                    .iter()
+                    .map(|o| {
+                        format!(
+                            "{:.3}/{}/{}/{}",
+                            o.forward_time + o.backward_time,
+                            o.saved_bytes,
+                            o.forward_temp_bytes,
+                            o.backward_temp_bytes
+                        )
+                    })
+                    .collect();
+                eprintln!(
+                    "  block {b}: fn {:.3}/{} once {} opts {}",
+                    block.forward_time,
+                    block.forward_temp_bytes,
+                    block.once,
+                    opts.join(" ")
+                );
+            }
+        }
         let (lo, hi) = budget_range(&g).unwrap();
         let plain = remat::plan::store_all(&g).unwrap().predicted.unwrap().time;
         let fractions = std::env::var("REMAT_FRACTIONS").unwrap_or("0.6,0.3,0.05".into());
         for fraction in fractions.split(',').map(|f| f.parse::<f64>().unwrap()) {
             let budget = lo + ((hi - lo) as f64 * fraction) as u64;
             let start = Instant::now();
-            let schedule = plan(&g, budget, &PlanOptions::default()).unwrap();
+            let schedule = plan(&g, budget, &options).unwrap();
             let report = schedule.predicted.unwrap();
             let solver = schedule.solver.unwrap();
             eprintln!(

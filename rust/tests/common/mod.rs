@@ -94,6 +94,15 @@ impl Builder {
         self.nodes[node].temp_bytes = bytes;
     }
 
+    /// Sets the op name of `node` (by default `aten.` and its name).
+    pub fn set_target(&mut self, node: usize, target: &str) {
+        self.nodes[node].target = target.into();
+    }
+
+    pub fn node_name(&self, node: usize) -> String {
+        self.nodes[node].name.clone()
+    }
+
     pub fn last_node(&self) -> usize {
         self.nodes.len() - 1
     }

@@ -1,0 +1,468 @@
+//! One block of a [`Partition`] as a planning problem of its own, its canonical key (identical
+//! blocks share one), and its options: ways of running its forward with grad and its backward,
+//! each a sequence of its groups with what it costs.
+//!
+//! In a block's sub-problem, storages made by other blocks are inputs (always alive, never
+//! counted: the chain DP counts them); the block's storages read elsewhere are held through the
+//! whole sub-problem and count nothing here (the chain counts them in its sizes, or as held),
+//! nor do storages held for the whole step (model outputs).
+
+use crate::baseline;
+use crate::expand::StagePlan;
+use crate::graph::{Graph, Phase};
+use crate::ilp;
+use crate::partition::Partition;
+use crate::schedule::SolverStatus;
+use crate::simplify::{Group, Hold, Recompute, SimpleGraph, Storage};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+/// A block's groups and storages as a [`SimpleGraph`] of their own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubProblem {
+    pub sg: SimpleGraph,
+    /// Local group → group of the whole graph.
+    pub groups: Vec<usize>,
+    /// Canonical key: equal for blocks with the same ops, sizes and structure (not names, not
+    /// times).
+    pub key: String,
+    /// Per local storage: the bytes it counts in the block's own peaks, where the chain counts
+    /// it in a cut next to the block (its output `x_{b+1}` or gradient `δ_b`) but the block
+    /// knows when it is alive.
+    pub context_bytes: Vec<u64>,
+    /// Per local storage: part of the block's output `x_{b+1}`.
+    pub is_output: Vec<bool>,
+    /// The parts of `δ_{b+1}` its backward reads: bytes and local readers.
+    pub incoming: Vec<(u64, Vec<usize>)>,
+}
+
+/// The sub-problem of block `b`.
+pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) -> SubProblem {
+    let groups: Vec<usize> = part.forward[b]
+        .iter()
+        .chain(&part.backward[b])
+        .copied()
+        .collect();
+    let local_group: HashMap<usize, usize> =
+        groups.iter().enumerate().map(|(i, &g)| (g, i)).collect();
+    let mut local_storage = HashMap::new();
+    let mut storages = Vec::new();
+    let mut context_bytes = Vec::new();
+    let mut is_output = Vec::new();
+    let span = |s: usize| {
+        let st = &sg.storages[s];
+        let home = part.block_of[st.producer];
+        let users = st.users.iter().map(|&u| part.block_of[u]);
+        users.fold((home, home), |(lo, hi), u| (lo.min(u), hi.max(u)))
+    };
+    for (i, &g) in groups.iter().enumerate() {
+        for &s in &sg.groups[g].outputs {
+            let st = &sg.storages[s];
+            let held_by_step = st.hold != Hold::Planned;
+            let exported = part.exported[s];
+            let hold = match st.hold {
+                Hold::Planned if exported => Hold::Step,
+                hold => hold,
+            };
+            let (lo, hi) = span(s);
+            let forward = i < part.forward[b].len();
+            let next_to = st.hold == Hold::Planned
+                && hi - lo == 1
+                && ((forward && hi == b + 1) || (!forward && lo + 1 == b));
+            is_output.push(next_to && forward);
+            context_bytes.push(match () {
+                _ if next_to => st.bytes,
+                _ if held_by_step || exported => 0,
+                _ => st.bytes,
+            });
+            let mut users: Vec<usize> = st
+                .users
+                .iter()
+                .filter_map(|u| local_group.get(u).copied())
+                .collect();
+            users.sort_unstable();
+            local_storage.insert(s, storages.len());
+            storages.push(Storage {
+                owner: st.owner,
+                // Counted by the chain: in a cut size, as held, or for the whole step.
+                bytes: if held_by_step || exported {
+                    0
+                } else {
+                    st.bytes
+                },
+                producer: i,
+                users,
+                hold,
+            });
+        }
+    }
+    let local_groups: Vec<Group> = groups
+        .iter()
+        .map(|&g| {
+            let group = &sg.groups[g];
+            let local = |list: &[usize]| -> Vec<usize> {
+                let mut out: Vec<usize> = list
+                    .iter()
+                    .filter_map(|s| local_storage.get(s).copied())
+                    .collect();
+                out.sort_unstable();
+                out
+            };
+            Group {
+                real: group.real,
+                members: group.members.clone(),
+                inputs: local(&group.inputs),
+                outputs: local(&group.outputs),
+                time: group.time,
+                temp_bytes: group.temp_bytes,
+                phase: group.phase,
+            }
+        })
+        .collect();
+    let mut incoming: HashMap<usize, (u64, Vec<usize>)> = HashMap::new();
+    for (i, &g) in groups.iter().enumerate() {
+        for &s in &sg.groups[g].inputs {
+            let st = &sg.storages[s];
+            let from_next = st.producer >= sg.first_backward
+                && part.block_of[st.producer] == b + 1
+                && span(s) == (b, b + 1)
+                && st.hold == Hold::Planned;
+            if from_next && !local_storage.contains_key(&s) {
+                incoming
+                    .entry(s)
+                    .or_insert((st.bytes, Vec::new()))
+                    .1
+                    .push(i);
+            }
+        }
+    }
+    let mut incoming: Vec<(usize, (u64, Vec<usize>))> = incoming.into_iter().collect();
+    incoming.sort_unstable_by_key(|(s, _)| *s);
+    let sub = SimpleGraph::from_parts(local_groups, storages, 0);
+    let key = canonical_key(graph, &sub);
+    SubProblem {
+        sg: sub,
+        groups,
+        key,
+        context_bytes,
+        is_output,
+        incoming: incoming.into_iter().map(|(_, v)| v).collect(),
+    }
+}
+
+fn canonical_key(graph: &Graph, sub: &SimpleGraph) -> String {
+    let mut key = String::new();
+    for g in &sub.groups {
+        let _ = write!(
+            key,
+            "{}:{:?}:{:?}:{:?}:{};",
+            graph.node(g.real).target,
+            g.phase,
+            g.inputs,
+            g.outputs,
+            g.temp_bytes
+        );
+    }
+    for st in &sub.storages {
+        let _ = write!(key, "{}:{:?}:{:?};", st.bytes, st.hold, st.users);
+    }
+    key
+}
+
+/// A way of running a block with grad: local group sequences of its forward and backward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptionPlan {
+    pub forward: Vec<usize>,
+    pub backward: Vec<usize>,
+}
+
+/// What a group sequence of a sub-problem costs (bytes of the block's own storages).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SequenceCost {
+    pub forward_time: f64,
+    pub backward_time: f64,
+    /// Alive at the end of the forward part.
+    pub end_forward: u64,
+    pub forward_peak: u64,
+    pub backward_peak: u64,
+}
+
+/// Replays `forward` then `backward` on `sub`, each storage freed after its last use (as the
+/// composed schedule will), storages held through the block never; `times` per local group.
+pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost {
+    let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
+    let held = |s: usize| sub.storages[s].hold == Hold::Step;
+    let mut needed = vec![false; sub.storages.len()];
+    let mut frees_after = vec![Vec::new(); seq.len()];
+    for (i, &g) in seq.iter().enumerate().rev() {
+        let group = &sub.groups[g];
+        for &s in &group.outputs {
+            if !needed[s] && !held(s) {
+                frees_after[i].push(s);
+            }
+            needed[s] = false;
+        }
+        for &s in &group.inputs {
+            if !needed[s] && !held(s) {
+                frees_after[i].push(s);
+            }
+            needed[s] = true;
+        }
+    }
+    let mut out = SequenceCost::default();
+    let mut live = 0u64;
+    for (i, &g) in seq.iter().enumerate() {
+        let group = &sub.groups[g];
+        live += sub.output_bytes(g);
+        let peak = live + group.temp_bytes;
+        for &s in &frees_after[i] {
+            live -= sub.storages[s].bytes;
+        }
+        if i < plan.forward.len() {
+            out.forward_time += times[g];
+            out.forward_peak = out.forward_peak.max(peak);
+            if i + 1 == plan.forward.len() {
+                out.end_forward = live;
+            }
+        } else {
+            out.backward_time += times[g];
+            out.backward_peak = out.backward_peak.max(peak);
+        }
+    }
+    out
+}
+
+/// The block's own peaks running `plan` in the chain (Rockmate's option peaks): during the
+/// forward, with its output `x_{b+1}` counted as it appears; during the backward, with the parts
+/// of `δ_{b+1}` it reads until their last read, its output only while its own backward still
+/// reads it, and its gradient `δ_b` as it appears.
+pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
+    let sg = &sub.sg;
+    let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
+    let split = plan.forward.len();
+    let held = |s: usize| sg.storages[s].hold == Hold::Step;
+    let mut needed = vec![false; sg.storages.len()];
+    let mut frees_after = vec![Vec::new(); seq.len()];
+    let mut last_backward_read = vec![None; sg.storages.len()];
+    for (i, &g) in seq.iter().enumerate().rev() {
+        let group = &sg.groups[g];
+        for &s in &group.outputs {
+            if !needed[s] && !held(s) {
+                frees_after[i].push(s);
+            }
+            needed[s] = false;
+        }
+        for &s in &group.inputs {
+            if !needed[s] && !held(s) {
+                frees_after[i].push(s);
+            }
+            needed[s] = true;
+            if i >= split && last_backward_read[s].is_none() {
+                last_backward_read[s] = Some(i);
+            }
+        }
+    }
+    let made = |g: usize| -> u64 {
+        let outputs = sg.groups[g].outputs.iter();
+        outputs.map(|&s| sub.context_bytes[s]).sum()
+    };
+    let (mut live, mut forward_peak, mut backward_peak) = (0u64, 0u64, 0u64);
+    for (i, &g) in seq.iter().enumerate() {
+        if i == split {
+            // The output is dead unless this backward reads it; `δ_{b+1}` arrives.
+            for (s, last) in last_backward_read.iter().enumerate() {
+                if sub.is_output[s] && last.is_none() {
+                    live -= sub.context_bytes[s];
+                }
+            }
+            live += sub.incoming.iter().map(|(bytes, _)| bytes).sum::<u64>();
+            backward_peak = live;
+        }
+        live += made(g);
+        let peak = live + sg.groups[g].temp_bytes;
+        for &s in &frees_after[i] {
+            live -= sub.context_bytes[s];
+        }
+        if i < split {
+            forward_peak = forward_peak.max(peak);
+            continue;
+        }
+        backward_peak = backward_peak.max(peak);
+        for (s, last) in last_backward_read.iter().enumerate() {
+            if sub.is_output[s] && *last == Some(i) {
+                live -= sub.context_bytes[s];
+            }
+        }
+        for (bytes, readers) in &sub.incoming {
+            let last = seq[split..].iter().rposition(|g| readers.contains(g));
+            if last.map(|l| l + split) == Some(i) {
+                live -= bytes;
+            }
+        }
+    }
+    (forward_peak, backward_peak)
+}
+
+/// The forward groups of `sub` in order: its run without grad.
+pub fn nograd_plan(sub: &SimpleGraph) -> OptionPlan {
+    OptionPlan {
+        forward: (0..sub.first_backward).collect(),
+        backward: Vec::new(),
+    }
+}
+
+/// The group sequences of a stage plan.
+fn option_of(sub: &SimpleGraph, plan: &StagePlan) -> OptionPlan {
+    let fb = sub.first_backward;
+    let flat = |stages: &[crate::expand::Stage]| -> Vec<usize> {
+        stages
+            .iter()
+            .flat_map(|s| s.compute.iter().copied())
+            .collect()
+    };
+    OptionPlan {
+        forward: flat(&plan.stages[..fb]),
+        backward: flat(&plan.stages[fb..]),
+    }
+}
+
+/// How a block's options are searched.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptionSearch {
+    /// Per-block ILPs: `ilp_levels` limits on the saved bytes and as many peak budgets
+    /// ([`ilp_requests`]), besides the keep-set family.
+    pub ilp_levels: usize,
+    /// Seconds for each ILP.
+    pub ilp_time_limit: f64,
+    pub mip_gap: f64,
+    /// Most options kept per block.
+    pub max_options: usize,
+}
+
+/// Options found for a sub-problem, and whether every ILP ended optimal.
+pub struct Options {
+    pub plans: Vec<OptionPlan>,
+    pub status: SolverStatus,
+}
+
+/// rotor's one option: run every group once and keep what the backward reads.
+pub fn store_all_option(sub: &SimpleGraph) -> OptionPlan {
+    option_of(sub, &baseline::store_all(sub))
+}
+
+/// Rockmate's options: the keep-set family (drop the cheapest storages to recompute first) and
+/// per-block ILPs at several memory levels, reduced to a Pareto set over (time, saved bytes,
+/// forward peak, backward peak).
+pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
+    let times: Vec<f64> = sub.groups.iter().map(|g| g.time).collect();
+    let mut plans = vec![store_all_option(sub)];
+    let order = baseline::drop_order(sub);
+    let mut keep = vec![false; sub.storages.len()];
+    order.iter().for_each(|&s| keep[s] = true);
+    let mut stage_plans = vec![baseline::keep_set(sub, &keep, Recompute::Lazy)];
+    for &s in &order {
+        keep[s] = false;
+        stage_plans.push(baseline::keep_set(sub, &keep, Recompute::Lazy));
+    }
+    let family: Vec<OptionPlan> = stage_plans.iter().map(|p| option_of(sub, p)).collect();
+    let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();
+    let mut status = SolverStatus::Optimal;
+    if search.ilp_levels > 0 && sub.first_backward < sub.groups.len() {
+        for (budget, saved_limit) in ilp_requests(&family_costs, search.ilp_levels) {
+            let fits = |c: &SequenceCost| {
+                c.forward_peak.max(c.backward_peak) <= budget
+                    && saved_limit.is_none_or(|l| c.end_forward <= l)
+            };
+            let warm = (0..family.len())
+                .filter(|&i| fits(&family_costs[i]))
+                .min_by(|&a, &b| {
+                    let t = |c: &SequenceCost| c.forward_time + c.backward_time;
+                    t(&family_costs[a]).total_cmp(&t(&family_costs[b]))
+                })
+                .map(|i| &stage_plans[i]);
+            let options = ilp::SolveOptions {
+                time_limit: search.ilp_time_limit,
+                mip_gap: search.mip_gap,
+                recompute: Recompute::Lazy,
+                saved_limit,
+            };
+            match ilp::solve(sub, budget, options, warm) {
+                Ok(Some(solution)) => {
+                    if solution.status != SolverStatus::Optimal {
+                        status = SolverStatus::TimeLimit;
+                    }
+                    plans.push(option_of(sub, &solution.plan));
+                }
+                Ok(None) | Err(_) => status = SolverStatus::TimeLimit,
+            }
+        }
+    }
+    plans.extend(family);
+    Options {
+        plans: pareto(sub, plans, &times, search.max_options.max(1)),
+        status,
+    }
+}
+
+/// `(peak budget, saved limit)` of each per-block ILP: `levels` limits on the bytes the forward
+/// saves under the keep-set family's largest peak (Rockmate's options of different sizes), and
+/// `levels` peak budgets with no such limit, each spread between the family's extremes.
+fn ilp_requests(family: &[SequenceCost], levels: usize) -> Vec<(u64, Option<u64>)> {
+    let peak = |c: &SequenceCost| c.forward_peak.max(c.backward_peak);
+    let (low, high) = extremes(family.iter().map(peak));
+    let (low_saved, high_saved) = extremes(family.iter().map(|c| c.end_forward));
+    let n = levels as u64 + 1;
+    let by_saved = (1..n).map(|k| (high, Some(low_saved + (high_saved - low_saved) * k / n)));
+    let by_peak = (1..n).map(|k| (low + (high - low) * k / n, None));
+    by_saved.chain(by_peak).collect()
+}
+
+fn extremes(values: impl Iterator<Item = u64> + Clone) -> (u64, u64) {
+    (values.clone().min().unwrap_or(0), values.max().unwrap_or(0))
+}
+
+/// The non-dominated plans (fewer time, saved bytes and peaks), at most `max` of them spread
+/// over the saved bytes.
+fn pareto(sub: &SimpleGraph, plans: Vec<OptionPlan>, times: &[f64], max: usize) -> Vec<OptionPlan> {
+    let costs: Vec<(f64, u64, u64, u64)> = plans
+        .iter()
+        .map(|p| {
+            let c = cost(sub, p, times);
+            (
+                c.forward_time + c.backward_time,
+                c.end_forward,
+                c.forward_peak,
+                c.backward_peak,
+            )
+        })
+        .collect();
+    let dominates = |a: usize, b: usize| {
+        let (x, y) = (costs[a], costs[b]);
+        x.0 <= y.0 * (1.0 + 1e-9) && x.1 <= y.1 && x.2 <= y.2 && x.3 <= y.3
+    };
+    let mut kept: Vec<usize> = Vec::new();
+    for i in 0..plans.len() {
+        let dominated =
+            (0..plans.len()).any(|j| j != i && dominates(j, i) && (!dominates(i, j) || j < i));
+        if !dominated {
+            kept.push(i);
+        }
+    }
+    kept.sort_by_key(|&i| costs[i].1);
+    if kept.len() > max {
+        let last = kept.len() - 1;
+        let picks: Vec<usize> = (0..max)
+            .map(|k| kept[if max == 1 { 0 } else { k * last / (max - 1) }])
+            .collect();
+        kept = picks;
+        kept.dedup();
+    }
+    kept.into_iter().map(|i| plans[i].clone()).collect()
+}
+
+/// Whether the forward of the sub-problem holds a model output (it may run only once).
+pub fn runs_once(sg: &SimpleGraph, sub: &SubProblem) -> bool {
+    sub.groups
+        .iter()
+        .any(|&g| sg.groups[g].phase == Phase::Forward && !sg.recomputable(g))
+}

@@ -1,0 +1,226 @@
+//! Cuts a [`SimpleGraph`] into a chain of blocks (Rockmate's partition): the forward groups into
+//! contiguous blocks at the places the fewest storages cross, each backward group into the block
+//! whose backward runs it.
+//!
+//! Any contiguous cut gives a valid chain: a storage read outside the block producing it is
+//! *exported* (held through its block's sub-problem) and counted by the chain: in the size of
+//! the cut it spans, or as held for the whole step if it spans several. Cuts are chosen top-down: a segment larger than
+//! `max_block_groups` forward groups is cut at every interior position where the fewest storages
+//! cross, and the pieces are cut again (HiRemate's bottom-up grouping, seen from the top); a
+//! graph that is a chain of layers is cut at its layer boundaries. Too many blocks are merged,
+//! smallest neighbours first.
+
+use crate::simplify::{Hold, SimpleGraph};
+
+/// Partition settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionOptions {
+    /// Largest block, in forward groups, that is not cut further.
+    pub max_block_groups: usize,
+    /// Most blocks in the chain.
+    pub max_blocks: usize,
+}
+
+impl Default for PartitionOptions {
+    fn default() -> Self {
+        PartitionOptions {
+            max_block_groups: 24,
+            max_blocks: 40,
+        }
+    }
+}
+
+/// A chain of blocks over the groups of a [`SimpleGraph`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Partition {
+    /// Per block: its forward groups, ascending.
+    pub forward: Vec<Vec<usize>>,
+    /// Per block: its backward groups, ascending.
+    pub backward: Vec<Vec<usize>>,
+    /// Per group: its block.
+    pub block_of: Vec<usize>,
+    /// `x_0 ..= x_L`: bytes of the forward storages spanning each cut (`x_0 = x_L = 0`).
+    pub sizes: Vec<u64>,
+    /// `δ_0 ..= δ_L`: bytes of the backward storages spanning each cut (`δ_0 = δ_L = 0`).
+    pub deltas: Vec<u64>,
+    /// Per storage: read by a group of another block than its producer's.
+    pub exported: Vec<bool>,
+    /// Bytes of the storages spanning two cuts or more (the chain holds them for the whole
+    /// step rather than count them in several sizes at once).
+    pub long_span_bytes: u64,
+}
+
+impl Partition {
+    pub fn len(&self) -> usize {
+        self.forward.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.forward.is_empty()
+    }
+}
+
+/// The partition of `sg`.
+pub fn partition(sg: &SimpleGraph, options: PartitionOptions) -> Partition {
+    let forward_count = sg.first_backward;
+    let mut cuts = Vec::new();
+    if forward_count > 0 {
+        let crossing = forward_crossings(sg);
+        split(
+            &crossing,
+            0,
+            forward_count,
+            options.max_block_groups.max(1),
+            &mut cuts,
+        );
+    }
+    cuts.sort_unstable();
+    let bounds = merge_small(forward_count, cuts, options.max_blocks.max(1));
+    let blocks = bounds.len() - 1;
+    let forward: Vec<Vec<usize>> = bounds.windows(2).map(|w| (w[0]..w[1]).collect()).collect();
+    let mut block_of = vec![0; sg.groups.len()];
+    for (b, groups) in forward.iter().enumerate() {
+        groups.iter().for_each(|&g| block_of[g] = b);
+    }
+    let mut backward = vec![Vec::new(); blocks];
+    for g in forward_count..sg.groups.len() {
+        let b = backward_block(sg, &block_of, g, blocks);
+        block_of[g] = b;
+        backward[b].push(g);
+    }
+    let spans = spans(sg, &block_of, blocks);
+    Partition {
+        forward,
+        backward,
+        block_of,
+        sizes: spans.sizes,
+        deltas: spans.deltas,
+        exported: spans.exported,
+        long_span_bytes: spans.long_span_bytes,
+    }
+}
+
+/// Per cut position `p` in `0..=first_backward` (between forward groups `p-1` and `p`): how
+/// many storages made before it are read by forward groups after it.
+fn forward_crossings(sg: &SimpleGraph) -> Vec<usize> {
+    let n = sg.first_backward;
+    let mut diff = vec![0i64; n + 2];
+    for st in &sg.storages {
+        if st.producer >= n {
+            continue;
+        }
+        let last = st.users.iter().copied().filter(|&u| u < n).max();
+        if let Some(last) = last.filter(|&l| l > st.producer) {
+            diff[st.producer + 1] += 1;
+            diff[last + 1] -= 1;
+        }
+    }
+    let mut count = Vec::with_capacity(n + 1);
+    let mut running = 0i64;
+    for d in diff.iter().take(n + 1) {
+        running += d;
+        count.push(running as usize);
+    }
+    count
+}
+
+/// Cuts `[lo, hi)` at every interior position of least crossing while it is too large.
+fn split(crossing: &[usize], lo: usize, hi: usize, max_groups: usize, cuts: &mut Vec<usize>) {
+    if hi - lo <= max_groups {
+        return;
+    }
+    let least = (lo + 1..hi).map(|p| crossing[p]).min().unwrap_or(0);
+    let mut start = lo;
+    for p in (lo + 1..hi).filter(|&p| crossing[p] == least) {
+        split(crossing, start, p, max_groups, cuts);
+        cuts.push(p);
+        start = p;
+    }
+    split(crossing, start, hi, max_groups, cuts);
+}
+
+/// Block bounds `0 = b_0 < ... < b_L = n` from sorted cuts, merging the smallest neighbours
+/// while there are more than `max_blocks` blocks.
+fn merge_small(n: usize, cuts: Vec<usize>, max_blocks: usize) -> Vec<usize> {
+    let mut bounds = vec![0];
+    bounds.extend(cuts.into_iter().filter(|&c| c > 0 && c < n));
+    bounds.push(n);
+    bounds.dedup();
+    if n == 0 {
+        return vec![0, 0];
+    }
+    while bounds.len() - 1 > max_blocks {
+        let merged = (1..bounds.len() - 1)
+            .min_by_key(|&i| bounds[i + 1] - bounds[i - 1])
+            .expect("more than one block");
+        bounds.remove(merged);
+    }
+    bounds
+}
+
+/// The block whose backward runs backward group `g`: the earliest in backward order (largest
+/// index) at which its inputs are available: no later than the blocks producing its backward
+/// inputs, and within the forward reach of the storages it reads where possible.
+fn backward_block(sg: &SimpleGraph, block_of: &[usize], g: usize, blocks: usize) -> usize {
+    let n = sg.first_backward;
+    let mut block = usize::MAX;
+    for &s in &sg.groups[g].inputs {
+        let st = &sg.storages[s];
+        let reach = if st.producer >= n {
+            block_of[st.producer]
+        } else {
+            let users = st.users.iter().copied().filter(|&u| u < n);
+            users
+                .map(|u| block_of[u])
+                .fold(block_of[st.producer], usize::max)
+        };
+        block = block.min(reach);
+    }
+    if block == usize::MAX {
+        blocks - 1
+    } else {
+        block
+    }
+}
+
+struct Spans {
+    sizes: Vec<u64>,
+    deltas: Vec<u64>,
+    exported: Vec<bool>,
+    long_span_bytes: u64,
+}
+
+/// Each storage spans the blocks from the first to the last of its producer and users. One
+/// spanning a single cut counts in that cut's size (`x` for forward storages, `δ` for backward
+/// ones); one spanning more is alive across several checkpoints of the DP at once, and counts
+/// as held for the whole step instead.
+fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
+    let mut x = vec![0u64; blocks + 1];
+    let mut delta = vec![0u64; blocks + 1];
+    let mut exported = vec![false; sg.storages.len()];
+    let mut long_span_bytes = 0;
+    for (s, st) in sg.storages.iter().enumerate() {
+        let home = block_of[st.producer];
+        let user_blocks = st.users.iter().map(|&u| block_of[u]);
+        let (lo, hi) = user_blocks.fold((home, home), |(lo, hi), b| (lo.min(b), hi.max(b)));
+        exported[s] = lo != hi;
+        if lo == hi || st.hold != Hold::Planned {
+            continue;
+        }
+        if hi - lo >= 2 {
+            long_span_bytes += st.bytes;
+        } else if st.producer < sg.first_backward {
+            x[hi] += st.bytes;
+        } else {
+            delta[hi] += st.bytes;
+        }
+    }
+    x[blocks] = 0;
+    delta[blocks] = 0;
+    Spans {
+        sizes: x,
+        deltas: delta,
+        exported,
+        long_span_bytes,
+    }
+}

@@ -1,0 +1,265 @@
+//! Rockmate's hierarchy (Zhao et al., ICML 2023): partition the graph into a chain of blocks,
+//! find options for each class of identical blocks once, choose with rotor's DP over the chain
+//! which block runs how, and compose the choice into one schedule over the original nodes.
+//!
+//! The DP's memory model of a block is coarser than the schedule that runs (storages spanning
+//! several blocks, last-use frees), so the composed schedule is simulated, and the DP's memory
+//! limit is searched for the fastest composed schedule whose simulated peak fits the budget.
+
+use crate::block::{self, OptionPlan, OptionSearch, SubProblem};
+use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence};
+use crate::dp;
+use crate::error::Result;
+use crate::expand::schedule_of_sequence;
+use crate::graph::Graph;
+use crate::partition::{partition, Partition, PartitionOptions};
+use crate::schedule::{Schedule, SolverStatus};
+use crate::simplify::{Hold, SimpleGraph};
+use crate::simulate::simulate;
+use std::collections::HashMap;
+
+/// Settings of the hierarchical solvers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HierarchyOptions {
+    pub partition: PartitionOptions,
+    pub search: OptionSearch,
+    /// rotor's model: one option per block (store all it saves), no per-block ILP.
+    pub rotor: bool,
+    /// Memory slots of the DP.
+    pub slots: usize,
+    /// DP solves spent searching the DP's memory limit.
+    pub probes: usize,
+}
+
+/// The chain of a graph with the option plans of each block.
+pub struct Hierarchy {
+    pub partition: Partition,
+    pub blocks: Vec<SubProblem>,
+    /// Per block: its class (blocks with equal keys).
+    pub class_of: Vec<usize>,
+    /// Per class: its option plans (local group sequences).
+    pub options: Vec<Vec<OptionPlan>>,
+    pub chain: Chain,
+    /// Whether every per-block ILP ended optimal.
+    pub status: SolverStatus,
+}
+
+impl Hierarchy {
+    /// Partitions `sg`, finds each class's options and builds the chain.
+    pub fn build(graph: &Graph, sg: &SimpleGraph, options: &HierarchyOptions) -> Result<Self> {
+        Hierarchy::of_partition(graph, sg, partition(sg, options.partition), options)
+    }
+
+    /// Finds each class's options of `partition` and builds the chain.
+    pub fn of_partition(
+        graph: &Graph,
+        sg: &SimpleGraph,
+        partition: Partition,
+        options: &HierarchyOptions,
+    ) -> Result<Self> {
+        let blocks: Vec<SubProblem> = (0..partition.len())
+            .map(|b| block::sub_problem(graph, sg, &partition, b))
+            .collect();
+        let mut classes: HashMap<&str, usize> = HashMap::new();
+        let mut class_of = Vec::with_capacity(blocks.len());
+        let mut representatives = Vec::new();
+        for (b, sub) in blocks.iter().enumerate() {
+            let next = classes.len();
+            let class = *classes.entry(sub.key.as_str()).or_insert(next);
+            if class == next {
+                representatives.push(b);
+            }
+            class_of.push(class);
+        }
+        let mut status = SolverStatus::Optimal;
+        let class_options = representatives
+            .iter()
+            .map(|&b| {
+                let sub = &blocks[b].sg;
+                if options.rotor {
+                    vec![block::store_all_option(sub)]
+                } else {
+                    let found = block::search_options(sub, &options.search);
+                    if found.status != SolverStatus::Optimal {
+                        status = found.status;
+                    }
+                    found.plans
+                }
+            })
+            .collect::<Vec<_>>();
+        let chain = chain_of(sg, &partition, &blocks, &class_of, &class_options)?;
+        Ok(Hierarchy {
+            partition,
+            blocks,
+            class_of,
+            options: class_options,
+            chain,
+            status,
+        })
+    }
+
+    /// Number of distinct block classes.
+    pub fn classes(&self) -> usize {
+        self.options.len()
+    }
+
+    /// The group sequences (forward phase, backward phase) of a chain sequence.
+    pub fn groups_of(&self, sequence: &ChainSequence) -> (Vec<usize>, Vec<usize>) {
+        let (mut forward, mut backward) = (Vec::new(), Vec::new());
+        let mut target = &mut forward;
+        for op in &sequence.ops {
+            match *op {
+                ChainOp::ForwardNoGrad { block } | ChainOp::ForwardCheck { block } => {
+                    target.extend_from_slice(&self.partition.forward[block]);
+                }
+                ChainOp::ForwardEnable { block, option } => {
+                    let plan = &self.options[self.class_of[block]][option];
+                    let groups = &self.blocks[block].groups;
+                    target.extend(plan.forward.iter().map(|&l| groups[l]));
+                }
+                ChainOp::Loss => target = &mut backward,
+                ChainOp::Backward { block, option } => {
+                    let plan = &self.options[self.class_of[block]][option];
+                    let groups = &self.blocks[block].groups;
+                    target.extend(plan.backward.iter().map(|&l| groups[l]));
+                }
+            }
+        }
+        (forward, backward)
+    }
+
+    /// The simulated schedule of the DP's sequence under memory limit `limit`, if the DP finds
+    /// one.
+    pub fn schedule_at(
+        &self,
+        graph: &Graph,
+        sg: &SimpleGraph,
+        limit: u64,
+        slots: usize,
+    ) -> Result<Option<Schedule>> {
+        let Ok(sequence) = dp::solve(&self.chain, limit, slots) else {
+            return Ok(None);
+        };
+        let (forward, backward) = self.groups_of(&sequence);
+        let mut schedule = schedule_of_sequence(graph, sg, &forward, &backward)?;
+        let report = simulate(graph, &schedule).map_err(|e| {
+            crate::Error::Schedule(format!(
+                "internal error, please report: a composed schedule is invalid: {e}"
+            ))
+        })?;
+        schedule.predicted = Some(report);
+        Ok(Some(schedule))
+    }
+}
+
+/// The chain of the partition: block sizes and deltas, each block's run without grad and its
+/// class's options costed with its own times.
+fn chain_of(
+    sg: &SimpleGraph,
+    partition: &Partition,
+    blocks: &[SubProblem],
+    class_of: &[usize],
+    class_options: &[Vec<OptionPlan>],
+) -> Result<Chain> {
+    let chain_blocks = blocks
+        .iter()
+        .enumerate()
+        .map(|(b, sub)| {
+            let times: Vec<f64> = sub.sg.groups.iter().map(|g| g.time).collect();
+            let nograd = block::cost(&sub.sg, &block::nograd_plan(&sub.sg), &times);
+            let options = class_options[class_of[b]]
+                .iter()
+                .map(|plan| {
+                    let c = block::cost(&sub.sg, plan, &times);
+                    let (forward_peak, backward_peak) = block::own_peaks(sub, plan);
+                    BlockOption {
+                        forward_peak_bytes: Some(forward_peak),
+                        backward_peak_bytes: Some(backward_peak),
+                        forward_time: c.forward_time,
+                        backward_time: c.backward_time,
+                        saved_bytes: c.end_forward,
+                        forward_temp_bytes: c.forward_peak - c.end_forward.min(c.forward_peak),
+                        backward_temp_bytes: c.backward_peak.saturating_sub(c.end_forward),
+                    }
+                })
+                .collect();
+            let nograd_plan = block::nograd_plan(&sub.sg);
+            Block {
+                name: format!("block {b}"),
+                forward_peak_bytes: Some(block::own_peaks(sub, &nograd_plan).0),
+                forward_time: nograd.forward_time,
+                forward_temp_bytes: nograd.forward_peak.saturating_sub(nograd.end_forward),
+                options,
+                once: block::runs_once(sg, sub),
+            }
+        })
+        .collect();
+    let held: u64 = sg
+        .storages
+        .iter()
+        .filter(|st| st.hold == Hold::Step)
+        .map(|st| st.bytes)
+        .sum();
+    Chain::new(
+        partition.sizes.clone(),
+        chain_blocks,
+        held + sg.tangent_bytes + partition.long_span_bytes,
+    )?
+    .with_deltas(partition.deltas.clone())
+}
+
+/// The fastest composed schedule whose simulated peak is within `budget`, searching the DP's
+/// memory limit; `None` if none fits.
+pub fn plan_blocks(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    budget: u64,
+    options: &HierarchyOptions,
+) -> Result<Option<Schedule>> {
+    let slots = options.slots;
+    let (min_limit, plain_limit) = dp::limits(&hierarchy.chain, slots)?;
+    let mut best: Option<Schedule> = None;
+    let mut probe = |limit: u64| -> Result<bool> {
+        let Some(schedule) = hierarchy.schedule_at(graph, sg, limit, slots)? else {
+            return Ok(false);
+        };
+        let report = schedule.predicted.expect("simulated");
+        if report.peak_bytes > budget {
+            return Ok(false);
+        }
+        let better = best
+            .as_ref()
+            .is_none_or(|b| report.time < b.predicted.expect("simulated").time);
+        if better {
+            best = Some(schedule);
+        }
+        Ok(true)
+    };
+    // Largest limit whose schedule fits: the DP counts storages spanning blocks several times,
+    // so the limit that fits may exceed the budget.
+    let start = budget.clamp(min_limit, plain_limit.max(min_limit));
+    let (mut lo, mut hi) = if probe(start)? {
+        (start, plain_limit.max(start))
+    } else {
+        if start == min_limit || !probe(min_limit)? {
+            return Ok(best);
+        }
+        (min_limit, start)
+    };
+    for _ in 0..options.probes {
+        if hi <= lo + (lo / 1000).max(1) {
+            break;
+        }
+        let mid = lo + (hi - lo) / 2;
+        if probe(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    if hi > lo {
+        probe(hi)?;
+    }
+    Ok(best)
+}
