@@ -1,12 +1,14 @@
-//! `remat-plan GRAPH.json BUDGET [--time-limit SECONDS] [--mip-gap GAP]`
+//! `remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] [--time-limit SECONDS]
+//! [--mip-gap GAP]`
 //!
 //! Reads a graph file (`docs/formats.md`), plans it under BUDGET (bytes, or a fraction in (0, 1]
 //! of plain PyTorch's peak) and prints the schedule as JSON. The crate without Python.
 
-use remat::{budget_range, plan, Graph, PlanOptions};
+use remat::{budget_range, plan, Graph, PlanOptions, Solver};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: remat-plan GRAPH.json BUDGET [--time-limit SECONDS] [--mip-gap GAP]\n\
+const USAGE: &str = "usage: remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] \
+                     [--time-limit SECONDS] [--mip-gap GAP]\n\
                      BUDGET: bytes, or a fraction in (0, 1] of plain PyTorch's peak";
 
 fn main() -> ExitCode {
@@ -29,6 +31,12 @@ fn run(args: &[String]) -> Result<String, String> {
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
+            "--solver" => {
+                let name = it
+                    .next()
+                    .ok_or_else(|| format!("--solver needs a name\n{USAGE}"))?;
+                options.solver = Solver::from_name(name).map_err(|e| e.to_string())?;
+            }
             "--time-limit" => options.time_limit = number(it.next(), arg)?,
             "--mip-gap" => options.mip_gap = number(it.next(), arg)?,
             "-h" | "--help" => return Err(USAGE.to_string()),
