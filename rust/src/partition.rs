@@ -25,7 +25,7 @@ impl Default for PartitionOptions {
     fn default() -> Self {
         PartitionOptions {
             max_block_groups: 24,
-            max_blocks: 40,
+            max_blocks: 64,
         }
     }
 }

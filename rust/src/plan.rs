@@ -53,7 +53,7 @@ impl Solver {
 pub struct PlanOptions {
     pub solver: Solver,
     /// Seconds an ILP may run (Checkmate's whole-graph ILP; each of Rockmate's per-block ILPs
-    /// runs at most 0.25 s of it); the best solution found by then is used.
+    /// runs at most 0.2 s of it); the best solution found by then is used.
     pub time_limit: f64,
     /// Relative MIP gap at which HiGHS stops.
     pub mip_gap: f64,
@@ -70,12 +70,12 @@ impl Default for PlanOptions {
 }
 
 /// Memory levels at which Rockmate solves each block class's ILP (twice: saved bytes, peak).
-const ILP_LEVELS: usize = 3;
+const ILP_LEVELS: usize = 2;
 /// Most options per block: the DP's time grows with them.
 const MAX_OPTIONS: usize = 16;
 /// Seconds each per-block ILP may run at most: its incumbent only adds an option, and the
 /// keep-set family gives the others.
-const BLOCK_ILP_SECONDS: f64 = 0.25;
+const BLOCK_ILP_SECONDS: f64 = 0.2;
 
 impl PlanOptions {
     /// The hierarchical solvers' settings.
@@ -90,7 +90,7 @@ impl PlanOptions {
             },
             rotor: self.solver == Solver::Rotor,
             slots: crate::dp::DEFAULT_SLOTS,
-            probes: 16,
+            probes: 12,
         }
     }
 }
