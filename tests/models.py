@@ -84,13 +84,10 @@ def transformer() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     return Seq2Seq(), (torch.randn(2, 24, 64), torch.randn(2, 16, 64))
 
 
-def mixer(proj_drop_rate: float = 0.0) -> tuple[nn.Module, torch.Tensor]:
-    """timm's MLP-Mixer: 16 patches of 8x8, 4 blocks, with stochastic depth.
-
-    Dropout in its MLPs (``proj_drop_rate``) is off: its backward meets a transposed gradient,
-    where eager ``native_dropout_backward`` keeps the transposed strides but the captured graph
-    expects contiguous ones (see test_architectures.py).
-    """
+def mixer(proj_drop_rate: float = 0.1) -> tuple[nn.Module, torch.Tensor]:
+    """timm's MLP-Mixer: 16 patches of 8x8, 4 blocks, dropout in its MLPs and stochastic depth.
+    Its token-mixing MLP runs on a transposed tensor: dropout's backward meets a transposed
+    gradient (see test_architectures.py)."""
     from timm.models.mlp_mixer import MlpMixer
 
     model = MlpMixer(

@@ -109,6 +109,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     output_bindings = [_output_binding(d) for d in descs]
     _sum_tied_grads(model, gm, outputs, output_bindings)
     _drop_running_stats_from_batch_norm_backward(gm)
+    _views_as_reshapes(gm)
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
     return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts)
@@ -146,6 +147,17 @@ def _drop_running_stats_from_batch_norm_backward(gm: fx.GraphModule) -> None:
             args = list(node.args)
             args[3] = args[4] = None
             node.args = tuple(args)
+    gm.recompile()
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Run ``view`` as ``reshape``: the same view wherever the real input allows one, and a copy
+    where the traced strides were wrong (dropout's backward on a transposed gradient keeps the
+    transposed strides in eager but is traced contiguous; pytorch/pytorch#120035). Profiling
+    measures which outputs share their input's storage, so such a copy is counted as one."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
     gm.recompile()
 
 
