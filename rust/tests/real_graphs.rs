@@ -15,6 +15,41 @@ fn load(name: &str) -> Graph {
     Graph::from_json(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
+/// Rockmate (the default) on every saved architecture, from the smallest budget to plain
+/// PyTorch's peak: each schedule replays within budget and recomputes no more than keeping
+/// nothing does.
+#[test]
+fn rockmate_plans_saved_graphs_within_budget() {
+    let names = [
+        "mlp",
+        "cnn",
+        "encoder_2l",
+        "gpt2_2l",
+        "gpt2_6l",
+        "resnet50",
+        "transformer",
+        "mixer",
+        "unet",
+    ];
+    for name in names {
+        let g = load(name);
+        let (lo, hi) = budget_range(&g).unwrap();
+        let keep_nothing_time = min_memory(&g).unwrap().predicted.unwrap().time;
+        for fraction in [0.0, 0.02, 0.3, 0.7, 1.0] {
+            let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+            let schedule = plan(&g, budget, &PlanOptions::default())
+                .unwrap_or_else(|e| panic!("{name} at {budget}: {e}"));
+            let replay = remat::simulate(&g, &schedule).unwrap();
+            assert_eq!(Some(replay), schedule.predicted, "{name} at {budget}");
+            assert!(replay.peak_bytes <= budget, "{name} at {budget}");
+            assert!(
+                replay.time <= keep_nothing_time + 1e-9,
+                "{name} at {budget}: slower than keeping nothing"
+            );
+        }
+    }
+}
+
 /// Plans `name` at fractions of the way from the smallest budget to plain PyTorch's peak.
 fn plans_within_budget(name: &str, time_limit: f64) {
     let g = load(name);
