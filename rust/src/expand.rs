@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, Phase, ValueKind};
 use crate::schedule::{Op, Schedule};
 use crate::simplify::{Hold, SimpleGraph};
+use std::collections::HashMap;
 
 /// What one stage runs and keeps.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,14 +145,19 @@ impl<'a> Emitter<'a> {
     fn run_stage(&mut self, stage: &Stage) -> Result<()> {
         let sg = self.sg;
         let all: Vec<usize> = (0..sg.storages.len()).collect();
-        let unused = |s: usize| !stage.compute.iter().any(|&g| sg.uses(g, s));
-        self.free_where(stage, &all, unused);
+        // Per storage the stage reads: the position of its last reader in the stage.
+        let mut last_read: HashMap<usize, usize> = HashMap::new();
+        for (k, &g) in stage.compute.iter().enumerate() {
+            sg.groups[g].inputs.iter().for_each(|&s| {
+                last_read.insert(s, k);
+            });
+        }
+        self.free_where(stage, &all, |s| !last_read.contains_key(&s));
         for (k, &g) in stage.compute.iter().enumerate() {
             self.compute_group(g)?;
             let group = &sg.groups[g];
             let touched: Vec<usize> = group.inputs.iter().chain(&group.outputs).copied().collect();
-            let later = &stage.compute[k + 1..];
-            let done = |s: usize| !later.iter().any(|&j| sg.uses(j, s));
+            let done = |s: usize| last_read.get(&s).is_none_or(|&last| last <= k);
             self.free_where(stage, &touched, done);
         }
         self.free_where(stage, &all, |_| true);

@@ -90,7 +90,7 @@ impl PlanOptions {
             },
             rotor: self.solver == Solver::Rotor,
             slots: crate::dp::DEFAULT_SLOTS,
-            probes: 12,
+            probes: 8,
         }
     }
 }
@@ -114,36 +114,29 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
     if peak(&store) <= budget {
         return Ok(with_info(store, info(SolverStatus::Optimal)));
     }
-    let lowest = simulated(graph, &sg, &baseline::min_memory(&sg))?;
-    if budget < peak(&lowest) {
-        let min_budget = peak(&lowest).min(peak(&store));
-        return Err(Error::Infeasible { budget, min_budget });
-    }
-    // Lazy recomputation whenever its keep-nothing schedule fits: then the restricted model is
-    // feasible, and it is much smaller (docs/decisions.md, "Planning").
-    let nothing = vec![false; sg.storages.len()];
-    let lazy_lowest = baseline::keep_set(&sg, &nothing, Recompute::Lazy);
-    let recompute = if peak(&simulated(graph, &sg, &lazy_lowest)?) <= budget {
-        Recompute::Lazy
-    } else {
-        Recompute::Anywhere
-    };
-    let (heuristic_plan, heuristic) = fastest_keep_set(graph, &sg, budget, recompute)?;
-    let solved = match options.solver {
-        Solver::Checkmate => checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?,
-        Solver::Rockmate | Solver::Rotor => {
-            let hierarchy_options = options.hierarchy();
-            let blocks = partition(&sg, hierarchy_options.partition);
-            if blocks.len() == 1 && options.solver == Solver::Rockmate {
-                // One block: its ILP at the budget itself is the whole-graph ILP.
-                checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?
-            } else {
-                let hierarchy = Hierarchy::of_partition(graph, &sg, blocks, &hierarchy_options)?;
-                let schedule =
-                    rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
-                schedule.map(|s| (s, hierarchy.status))
-            }
+    // The hierarchy (per-block ILPs) needs neither the budget nor the heuristic: build it on a
+    // second thread meanwhile.
+    let hierarchy_options = options.hierarchy();
+    let (fallback, hierarchy) = std::thread::scope(|scope| {
+        let hierarchy = scope.spawn(|| hierarchy_of(graph, &sg, options, &hierarchy_options));
+        let fallback = heuristic(graph, &sg, budget, &store);
+        let hierarchy = hierarchy
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (fallback, hierarchy)
+    });
+    let Heuristic {
+        recompute,
+        plan: heuristic_plan,
+        schedule: heuristic,
+    } = fallback?;
+    let solved = match hierarchy? {
+        Some(hierarchy) => {
+            let schedule =
+                rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
+            schedule.map(|s| (s, hierarchy.status))
         }
+        None => checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?,
     };
     match solved {
         Some((schedule, status)) if time(&schedule) <= time(&heuristic) => {
@@ -151,6 +144,56 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
         }
         _ => Ok(with_info(heuristic, info(SolverStatus::Fallback))),
     }
+}
+
+/// The hierarchy of the hierarchical solvers; `None` for Checkmate, and for Rockmate on a graph
+/// that is one block (its ILP at the budget itself is then the whole-graph ILP).
+fn hierarchy_of(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    options: &PlanOptions,
+    hierarchy_options: &HierarchyOptions,
+) -> Result<Option<Hierarchy>> {
+    if options.solver == Solver::Checkmate {
+        return Ok(None);
+    }
+    let blocks = partition(sg, hierarchy_options.partition);
+    if blocks.len() == 1 && options.solver == Solver::Rockmate {
+        return Ok(None);
+    }
+    Hierarchy::of_partition(graph, sg, blocks, hierarchy_options).map(Some)
+}
+
+/// The best keep-set heuristic schedule within the budget, and the recomputation scope.
+struct Heuristic {
+    recompute: Recompute,
+    plan: StagePlan,
+    schedule: Schedule,
+}
+
+/// [`Error::Infeasible`] below the keep-nothing schedule's peak; otherwise the fastest keep-set
+/// schedule within `budget`, lazy wherever the lazy keep-nothing schedule fits.
+fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> Result<Heuristic> {
+    let lowest = simulated(graph, sg, &baseline::min_memory(sg))?;
+    if budget < peak(&lowest) {
+        let min_budget = peak(&lowest).min(peak(store));
+        return Err(Error::Infeasible { budget, min_budget });
+    }
+    // Lazy recomputation whenever its keep-nothing schedule fits: then the restricted model is
+    // feasible, and it is much smaller (docs/decisions.md, "Planning").
+    let nothing = vec![false; sg.storages.len()];
+    let lazy_lowest = baseline::keep_set(sg, &nothing, Recompute::Lazy);
+    let recompute = if peak(&simulated(graph, sg, &lazy_lowest)?) <= budget {
+        Recompute::Lazy
+    } else {
+        Recompute::Anywhere
+    };
+    let (plan, schedule) = fastest_keep_set(graph, sg, budget, recompute)?;
+    Ok(Heuristic {
+        recompute,
+        plan,
+        schedule,
+    })
 }
 
 /// Checkmate's ILP over the whole graph, warm-started with `heuristic`; `None` when it finds

@@ -248,7 +248,7 @@ pub fn plan_blocks(
         (min_limit, start)
     };
     for _ in 0..options.probes {
-        if hi <= lo + (lo / 1000).max(1) {
+        if hi <= lo + (lo / 400).max(1) {
             break;
         }
         let mid = lo + (hi - lo) / 2;
