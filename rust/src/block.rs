@@ -187,10 +187,9 @@ pub struct SequenceCost {
     pub backward_peak: u64,
 }
 
-/// Replays `forward` then `backward` on `sub`, each storage freed after its last use (as the
-/// composed schedule will), storages held through the block never; `times` per local group.
-pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost {
-    let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
+/// Per position of `seq`: the storages whose instance dies there (not read later before its
+/// producer runs again), except those held through the block.
+fn frees_after_last_use(sub: &SimpleGraph, seq: &[usize]) -> Vec<Vec<usize>> {
     let held = |s: usize| sub.storages[s].hold == Hold::Step;
     let mut needed = vec![false; sub.storages.len()];
     let mut frees_after = vec![Vec::new(); seq.len()];
@@ -209,6 +208,14 @@ pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost
             needed[s] = true;
         }
     }
+    frees_after
+}
+
+/// Replays `forward` then `backward` on `sub`, each storage freed after its last use (as the
+/// composed schedule will), storages held through the block never; `times` per local group.
+pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost {
+    let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
+    let frees_after = frees_after_last_use(sub, &seq);
     let mut out = SequenceCost::default();
     let mut live = 0u64;
     for (i, &g) in seq.iter().enumerate() {
@@ -240,27 +247,13 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
     let sg = &sub.sg;
     let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
     let split = plan.forward.len();
-    let held = |s: usize| sg.storages[s].hold == Hold::Step;
-    let mut needed = vec![false; sg.storages.len()];
-    let mut frees_after = vec![Vec::new(); seq.len()];
+    let frees_after = frees_after_last_use(sg, &seq);
     let mut last_backward_read = vec![None; sg.storages.len()];
-    for (i, &g) in seq.iter().enumerate().rev() {
-        let group = &sg.groups[g];
-        for &s in &group.outputs {
-            if !needed[s] && !held(s) {
-                frees_after[i].push(s);
-            }
-            needed[s] = false;
-        }
-        for &s in &group.inputs {
-            if !needed[s] && !held(s) {
-                frees_after[i].push(s);
-            }
-            needed[s] = true;
-            if i >= split && last_backward_read[s].is_none() {
-                last_backward_read[s] = Some(i);
-            }
-        }
+    for (i, &g) in seq.iter().enumerate().skip(split) {
+        sg.groups[g]
+            .inputs
+            .iter()
+            .for_each(|&s| last_backward_read[s] = Some(i));
     }
     let made = |g: usize| -> u64 {
         let outputs = sg.groups[g].outputs.iter();
