@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import remat
 import torch
 from remat import tree
@@ -87,3 +89,31 @@ def budget_at(model: nn.Module, sample: Any, level: float) -> int:
     """The budget ``level`` of the way from the smallest feasible one (0) to plain's peak (1)."""
     probe = remat.Remat(model, sample, None)
     return int(probe.min_budget + level * (probe.plain_peak - probe.min_budget))
+
+
+class Reference:
+    """A model built by ``build`` with plain PyTorch's step on a copy of it; :meth:`check` runs a
+    wrapped step from the same weights and buffers and compares it with plain PyTorch."""
+
+    def __init__(self, build) -> None:
+        torch.manual_seed(0)
+        self.model, self.sample = build()
+        self.model.train()
+        self.copy = copy.deepcopy(self.model)
+        # BatchNorm statistics move once per step: every step starts from the same buffers.
+        self.buffers = {k: v.clone() for k, v in self.model.named_buffers()}
+        self.plain = run_step(self.copy, self.copy, self.sample)
+
+    def check(self, runner: nn.Module) -> Step:
+        """One step of ``runner`` (wrapping ``self.model``): same outputs, gradients, loss and
+        buffers as plain PyTorch; returns the step with its measured peak."""
+        with torch.no_grad():
+            for k, v in self.model.named_buffers():
+                v.copy_(self.buffers[k])
+        step = run_step(self.model, runner, self.sample)
+        assert_close_outputs(step.out, self.plain.out)
+        assert_close_grads(step.grads, self.plain.grads)
+        assert step.loss == pytest.approx(self.plain.loss, rel=1e-6)
+        for (k, a), b in zip(self.model.named_buffers(), self.copy.buffers()):
+            torch.testing.assert_close(a, b, msg=lambda m, k=k: f"buffer {k} after one step: {m}")
+        return step
