@@ -236,8 +236,9 @@ pub fn plan_blocks(
         }
         Ok(true)
     };
-    // Largest limit whose schedule fits: the DP counts storages spanning blocks several times,
-    // so the limit that fits may exceed the budget.
+    // The largest limit whose composed schedule fits (within 0.25%): the DP's model is coarser
+    // than the composed schedule (storages spanning several cuts held for the whole step), so
+    // that limit may exceed the budget.
     let start = budget.clamp(min_limit, plain_limit.max(min_limit));
     let (mut lo, mut hi) = if probe(start)? {
         (start, plain_limit.max(start))
