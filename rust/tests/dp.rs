@@ -568,16 +568,20 @@ fn brute_force(chain: &Chain, limit: u64) -> Option<(f64, Vec<ChainOp>)> {
     Search { chain, capacity }.best()
 }
 
-/// An own peak (Rockmate's options) a third of the time.
-fn arb_own_peak() -> impl Strategy<Value = Option<u64>> {
-    prop_oneof![2 => Just(None), 1 => (0..16u64).prop_map(Some)]
+/// An own peak (Rockmate's options) a third of the time, if `own_peaks`.
+fn arb_own_peak(own_peaks: bool) -> BoxedStrategy<Option<u64>> {
+    if own_peaks {
+        prop_oneof![2 => Just(None), 1 => (0..16u64).prop_map(Some)].boxed()
+    } else {
+        Just(None).boxed()
+    }
 }
 
-fn arb_option() -> impl Strategy<Value = BlockOption> {
+fn arb_option(own_peaks: bool) -> impl Strategy<Value = BlockOption> {
     (
         (1..6u32, 1..6u32, 0..8u64, 0..3u64, 0..3u64),
-        arb_own_peak(),
-        arb_own_peak(),
+        arb_own_peak(own_peaks),
+        arb_own_peak(own_peaks),
     )
         .prop_map(|((f, b, s, ft, bt), fp, bp)| BlockOption {
             forward_peak_bytes: fp,
@@ -587,17 +591,18 @@ fn arb_option() -> impl Strategy<Value = BlockOption> {
 }
 
 /// Chains of up to 6 blocks; gradients of their own sizes half of the time, a quarter of the
-/// blocks `once`, and the last one half of the time (a model output).
-fn arb_chain() -> impl Strategy<Value = Chain> {
-    (1..=6usize).prop_flat_map(|n| {
+/// blocks `once`, and the last one half of the time (a model output); own peaks on blocks and
+/// options a third of the time if `own_peaks`.
+fn arb_chain(own_peaks: bool) -> impl Strategy<Value = Chain> {
+    (1..=6usize).prop_flat_map(move |n| {
         let options = if n <= 4 { 1..=2usize } else { 1..=1usize };
         let blocks = prop::collection::vec(
             (
                 1..4u32,
                 0..3u64,
-                prop::collection::vec(arb_option(), options),
+                prop::collection::vec(arb_option(own_peaks), options),
                 prop::bool::weighted(0.25),
-                arb_own_peak(),
+                arb_own_peak(own_peaks),
             )
                 .prop_map(|(t, tmp, opts, once, own)| Block {
                     once,
@@ -657,10 +662,10 @@ fn no_grad(op: &ChainOp) -> Option<usize> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
-    /// The DP's time equals the exhaustive search's at any limit, and below the smallest
-    /// feasible limit both fail, the DP naming that limit exactly.
+    /// Without own peaks, the DP's time equals the exhaustive search's at any limit, and below
+    /// the smallest feasible limit both fail, the DP naming that limit exactly.
     #[test]
-    fn dp_equals_brute_force(chain in arb_chain(), level in -0.2..1.0f64) {
+    fn dp_equals_brute_force(chain in arb_chain(false), level in -0.2..1.0f64) {
         let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
         let limit = (min as f64 + (plain - min) as f64 * level).max(0.0) as u64;
         let want = brute_force(&chain, limit);
@@ -689,11 +694,39 @@ proptest! {
         }
     }
 
+    /// With own peaks (Rockmate's options) rotor's recurrence is no longer optimal over every
+    /// op sequence: the exhaustive search may recompute an earlier segment before a later
+    /// block's `B`, while a smaller gradient is held, which the recurrence never does. The DP's
+    /// sequence is still valid and within the limit, never faster than the search's, and the
+    /// smallest limit it names is feasible.
+    #[test]
+    fn dp_with_own_peaks_is_valid_and_never_beats_the_search(
+        chain in arb_chain(true),
+        level in -0.2..1.0f64,
+    ) {
+        let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
+        let limit = (min as f64 + (plain - min) as f64 * level).max(0.0) as u64;
+        match solve(&chain, limit, DEFAULT_SLOTS) {
+            Ok(sequence) => {
+                let replay = chain.simulate(&sequence.ops).unwrap();
+                prop_assert!(replay.peak_bytes <= limit);
+                let mut recomputed = sequence.ops.iter().filter_map(no_grad);
+                prop_assert!(recomputed.all(|i| !chain.blocks[i].once));
+                let (time, _) = brute_force(&chain, limit).expect("the DP found a sequence");
+                prop_assert!(replay.time >= time, "DP {} beats the search's {}", replay.time, time);
+            }
+            Err(Error::Infeasible { min_budget, .. }) => {
+                prop_assert!(brute_force(&chain, min_budget).is_some());
+            }
+            Err(e) => prop_assert!(false, "{e}"),
+        }
+    }
+
     /// With coarse slots (sizes rounded up), the plan still fits the limit in bytes, and the
     /// named smallest limit is feasible.
     #[test]
     fn coarse_slots_stay_under_the_limit(
-        chain in arb_chain().prop_map(scaled),
+        chain in arb_chain(true).prop_map(scaled),
         slots in 2..40usize,
         level in 0.0..1.0f64,
     ) {
