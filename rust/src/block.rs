@@ -49,22 +49,16 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
     let mut storages = Vec::new();
     let mut context_bytes = Vec::new();
     let mut is_output = Vec::new();
-    let span = |s: usize| {
-        let st = &sg.storages[s];
-        let home = part.block_of[st.producer];
-        let users = st.users.iter().map(|&u| part.block_of[u]);
-        users.fold((home, home), |(lo, hi), u| (lo.min(u), hi.max(u)))
-    };
     for (i, &g) in groups.iter().enumerate() {
         for &s in &sg.groups[g].outputs {
             let st = &sg.storages[s];
             let held_by_step = st.hold != Hold::Planned;
-            let exported = part.exported[s];
+            let exported = part.exported(s);
             let hold = match st.hold {
                 Hold::Planned if exported => Hold::Step,
                 hold => hold,
             };
-            let (lo, hi) = span(s);
+            let (lo, hi) = part.span[s];
             let forward = i < part.forward[b].len();
             let next_to = st.hold == Hold::Planned
                 && hi - lo == 1
@@ -125,7 +119,7 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
             let st = &sg.storages[s];
             let from_next = st.producer >= sg.first_backward
                 && part.block_of[st.producer] == b + 1
-                && span(s) == (b, b + 1)
+                && part.span[s] == (b, b + 1)
                 && st.hold == Hold::Planned;
             if from_next && !local_storage.contains_key(&s) {
                 incoming
@@ -248,12 +242,24 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
     let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
     let split = plan.forward.len();
     let frees_after = frees_after_last_use(sg, &seq);
-    let mut last_backward_read = vec![None; sg.storages.len()];
-    for (i, &g) in seq.iter().enumerate().skip(split) {
-        sg.groups[g]
-            .inputs
-            .iter()
-            .for_each(|&s| last_backward_read[s] = Some(i));
+    // Bytes of the output and of `δ_{b+1}` that die after each position: at their last read in
+    // the backward part, or (the output) as the backward starts if it reads none.
+    let mut context_frees = vec![0u64; seq.len()];
+    let mut dropped_at_start = 0;
+    let last_read =
+        |reads: &dyn Fn(usize) -> bool| (split..seq.len()).rev().find(|&i| reads(seq[i]));
+    for (s, &output) in sub.is_output.iter().enumerate() {
+        if output {
+            match last_read(&|g| sg.uses(g, s)) {
+                Some(i) => context_frees[i] += sub.context_bytes[s],
+                None => dropped_at_start += sub.context_bytes[s],
+            }
+        }
+    }
+    for (bytes, readers) in &sub.incoming {
+        if let Some(i) = last_read(&|g| readers.contains(&g)) {
+            context_frees[i] += bytes;
+        }
     }
     let made = |g: usize| -> u64 {
         let outputs = sg.groups[g].outputs.iter();
@@ -262,35 +268,21 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
     let (mut live, mut forward_peak, mut backward_peak) = (0u64, 0u64, 0u64);
     for (i, &g) in seq.iter().enumerate() {
         if i == split {
-            // The output is dead unless this backward reads it; `δ_{b+1}` arrives.
-            for (s, last) in last_backward_read.iter().enumerate() {
-                if sub.is_output[s] && last.is_none() {
-                    live -= sub.context_bytes[s];
-                }
-            }
+            live -= dropped_at_start;
             live += sub.incoming.iter().map(|(bytes, _)| bytes).sum::<u64>();
             backward_peak = live;
         }
         live += made(g);
         let peak = live + sg.groups[g].temp_bytes;
-        for &s in &frees_after[i] {
-            live -= sub.context_bytes[s];
-        }
+        live -= frees_after[i]
+            .iter()
+            .map(|&s| sub.context_bytes[s])
+            .sum::<u64>();
         if i < split {
             forward_peak = forward_peak.max(peak);
-            continue;
-        }
-        backward_peak = backward_peak.max(peak);
-        for (s, last) in last_backward_read.iter().enumerate() {
-            if sub.is_output[s] && *last == Some(i) {
-                live -= sub.context_bytes[s];
-            }
-        }
-        for (bytes, readers) in &sub.incoming {
-            let last = seq[split..].iter().rposition(|g| readers.contains(g));
-            if last.map(|l| l + split) == Some(i) {
-                live -= bytes;
-            }
+        } else {
+            backward_peak = backward_peak.max(peak);
+            live -= context_frees[i];
         }
     }
     (forward_peak, backward_peak)
@@ -349,6 +341,7 @@ pub fn store_all_option(sub: &SimpleGraph) -> OptionPlan {
 pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
     let times: Vec<f64> = sub.groups.iter().map(|g| g.time).collect();
     let mut plans = vec![store_all_option(sub)];
+    let mut costs = vec![cost(sub, &plans[0], &times)];
     let order = baseline::drop_order(sub);
     let mut keep = vec![false; sub.storages.len()];
     order.iter().for_each(|&s| keep[s] = true);
@@ -384,15 +377,18 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
                     if solution.status != SolverStatus::Optimal {
                         status = SolverStatus::TimeLimit;
                     }
-                    plans.push(option_of(sub, &solution.plan));
+                    let plan = option_of(sub, &solution.plan);
+                    costs.push(cost(sub, &plan, &times));
+                    plans.push(plan);
                 }
                 Ok(None) | Err(_) => status = SolverStatus::TimeLimit,
             }
         }
     }
     plans.extend(family);
+    costs.extend(family_costs);
     Options {
-        plans: pareto(sub, plans, &times, search.max_options.max(1)),
+        plans: pareto(plans, &costs, search.max_options.max(1)),
         status,
     }
 }
@@ -416,11 +412,10 @@ fn extremes(values: impl Iterator<Item = u64> + Clone) -> (u64, u64) {
 
 /// The non-dominated plans (fewer time, saved bytes and peaks), at most `max` of them spread
 /// over the saved bytes.
-fn pareto(sub: &SimpleGraph, plans: Vec<OptionPlan>, times: &[f64], max: usize) -> Vec<OptionPlan> {
-    let costs: Vec<(f64, u64, u64, u64)> = plans
+fn pareto(plans: Vec<OptionPlan>, costs: &[SequenceCost], max: usize) -> Vec<OptionPlan> {
+    let costs: Vec<(f64, u64, u64, u64)> = costs
         .iter()
-        .map(|p| {
-            let c = cost(sub, p, times);
+        .map(|c| {
             (
                 c.forward_time + c.backward_time,
                 c.end_forward,

@@ -43,8 +43,8 @@ pub struct Partition {
     pub sizes: Vec<u64>,
     /// `δ_0 ..= δ_L`: bytes of the backward storages spanning each cut (`δ_0 = δ_L = 0`).
     pub deltas: Vec<u64>,
-    /// Per storage: read by a group of another block than its producer's.
-    pub exported: Vec<bool>,
+    /// Per storage: the first and last block among its producer's and its users'.
+    pub span: Vec<(usize, usize)>,
     /// Bytes of the storages spanning two cuts or more (the chain holds them for the whole
     /// step rather than count them in several sizes at once).
     pub long_span_bytes: u64,
@@ -57,6 +57,12 @@ impl Partition {
 
     pub fn is_empty(&self) -> bool {
         self.forward.is_empty()
+    }
+
+    /// Whether `storage` is read by a group of another block than its producer's.
+    pub fn exported(&self, storage: usize) -> bool {
+        let (lo, hi) = self.span[storage];
+        lo != hi
     }
 }
 
@@ -95,7 +101,7 @@ pub fn partition(sg: &SimpleGraph, options: PartitionOptions) -> Partition {
         block_of,
         sizes: spans.sizes,
         deltas: spans.deltas,
-        exported: spans.exported,
+        span: spans.span,
         long_span_bytes: spans.long_span_bytes,
     }
 }
@@ -186,7 +192,7 @@ fn backward_block(sg: &SimpleGraph, block_of: &[usize], g: usize, blocks: usize)
 struct Spans {
     sizes: Vec<u64>,
     deltas: Vec<u64>,
-    exported: Vec<bool>,
+    span: Vec<(usize, usize)>,
     long_span_bytes: u64,
 }
 
@@ -197,13 +203,17 @@ struct Spans {
 fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
     let mut x = vec![0u64; blocks + 1];
     let mut delta = vec![0u64; blocks + 1];
-    let mut exported = vec![false; sg.storages.len()];
     let mut long_span_bytes = 0;
-    for (s, st) in sg.storages.iter().enumerate() {
-        let home = block_of[st.producer];
-        let user_blocks = st.users.iter().map(|&u| block_of[u]);
-        let (lo, hi) = user_blocks.fold((home, home), |(lo, hi), b| (lo.min(b), hi.max(b)));
-        exported[s] = lo != hi;
+    let span: Vec<(usize, usize)> = sg
+        .storages
+        .iter()
+        .map(|st| {
+            let home = block_of[st.producer];
+            let user_blocks = st.users.iter().map(|&u| block_of[u]);
+            user_blocks.fold((home, home), |(lo, hi), b| (lo.min(b), hi.max(b)))
+        })
+        .collect();
+    for (st, &(lo, hi)) in sg.storages.iter().zip(&span) {
         if lo == hi || st.hold != Hold::Planned {
             continue;
         }
@@ -220,7 +230,7 @@ fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
     Spans {
         sizes: x,
         deltas: delta,
-        exported,
+        span,
         long_span_bytes,
     }
 }
