@@ -103,7 +103,7 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
                 out
             };
             Group {
-                real: group.real,
+                reals: group.reals.clone(),
                 members: group.members.clone(),
                 inputs: local(&group.inputs),
                 outputs: local(&group.outputs),
@@ -150,7 +150,11 @@ fn canonical_key(graph: &Graph, sub: &SimpleGraph) -> String {
         let _ = write!(
             key,
             "{}:{:?}:{:?}:{:?}:{};",
-            graph.node(g.real).target,
+            g.reals
+                .iter()
+                .map(|&r| graph.node(r).target.as_str())
+                .collect::<Vec<_>>()
+                .join("+"),
             g.phase,
             g.inputs,
             g.outputs,

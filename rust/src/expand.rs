@@ -212,11 +212,12 @@ impl<'a> Emitter<'a> {
     }
 
     fn compute_group(&mut self, g: usize) -> Result<()> {
-        let real = self.sg.groups[g].real;
-        for &v in &self.graph.node(real).inputs {
-            self.ensure_alive(v)?;
+        for &real in &self.sg.groups[g].reals {
+            for &v in &self.graph.node(real).inputs {
+                self.ensure_alive(v)?;
+            }
+            self.emit_compute(real);
         }
-        self.emit_compute(real);
         for &s in &self.sg.groups[g].outputs {
             self.live_storage[s] = true;
         }

@@ -208,6 +208,9 @@ fn chain_of(
     .with_deltas(partition.deltas.clone())
 }
 
+/// Limits scanned from the budget to plain PyTorch's peak, beyond the budget itself.
+const SCAN_STEPS: usize = 4;
+
 /// The fastest composed schedule whose simulated peak is within `budget`, searching the DP's
 /// memory limit; `None` if none fits.
 pub fn plan_blocks(
@@ -238,15 +241,29 @@ pub fn plan_blocks(
     };
     // The largest limit whose composed schedule fits (within 0.25%): the DP's model is coarser
     // than the composed schedule (storages spanning several cuts held for the whole step), so
-    // that limit may exceed the budget.
+    // that limit may exceed the budget, and fitting is not monotone in the limit: the limits
+    // from the budget to plain PyTorch's peak are scanned first, then the gap above the largest
+    // fitting one is bisected.
     let start = budget.clamp(min_limit, plain_limit.max(min_limit));
-    let (mut lo, mut hi) = if probe(start)? {
-        (start, plain_limit.max(start))
-    } else {
-        if start == min_limit || !probe(min_limit)? {
-            return Ok(best);
+    let top = plain_limit.max(start);
+    let mut scan: Vec<u64> = (0..=SCAN_STEPS)
+        .map(|k| start + (top - start) / SCAN_STEPS as u64 * k as u64)
+        .collect();
+    scan.dedup();
+    let mut fitting = None;
+    for (k, &limit) in scan.iter().enumerate() {
+        if probe(limit)? {
+            fitting = Some(k);
         }
-        (min_limit, start)
+    }
+    let (mut lo, mut hi) = match fitting {
+        Some(k) => (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k])),
+        None => {
+            if start == min_limit || !probe(min_limit)? {
+                return Ok(best);
+            }
+            (min_limit, start)
+        }
     };
     for _ in 0..options.probes {
         if hi <= lo + (lo / 400).max(1) {

@@ -1,5 +1,6 @@
 //! Folds the raw graph into groups for the solvers: one group per real (allocating) node, with
-//! the view nodes hanging off its storages folded into it.
+//! the view nodes hanging off its storages folded into it; then fuses trivial chains, where a
+//! group's outputs are read only by the next group, which produces no more bytes.
 //!
 //! View ("alias") nodes allocate nothing, so the solvers never plan them: the expansion
 //! (`expand.rs`) runs a view right before the first op that needs it while its storage is alive.
@@ -34,12 +35,13 @@ pub enum Hold {
     Step,
 }
 
-/// One real node and the view nodes folded into it.
+/// Real nodes run one after the other and the view nodes folded into them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Group {
-    /// The allocating node.
-    pub real: usize,
-    /// `real` and the view nodes over its storages, in node order.
+    /// The allocating nodes, in run order: more than one for a fused trivial chain, whose
+    /// intermediate storages live only inside the group (in `temp_bytes`).
+    pub reals: Vec<usize>,
+    /// `reals` and the view nodes over their storages, in node order.
     pub members: Vec<usize>,
     /// Storages needed to run the group, ascending.
     pub inputs: Vec<usize>,
@@ -47,7 +49,8 @@ pub struct Group {
     pub outputs: Vec<usize>,
     /// Seconds of all members.
     pub time: f64,
-    /// Temporary bytes of the real node or of a view run just before it.
+    /// Bytes alive while the group runs beyond its inputs and outputs: a real node's or a view's
+    /// temporary bytes, and a fused chain's intermediate storages.
     pub temp_bytes: u64,
     pub phase: Phase,
 }
@@ -121,6 +124,7 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     fold_views(graph, &mut sg);
     link_inputs(graph, &mut sg);
     mark_held(graph, &mut sg);
+    let mut sg = fuse_chains(sg);
     sg.first_backward = sg
         .groups
         .iter()
@@ -150,7 +154,7 @@ fn add_group(graph: &Graph, sg: &mut SimpleGraph, real: usize) {
         });
     }
     sg.groups.push(Group {
-        real,
+        reals: vec![real],
         members: vec![real],
         inputs: Vec::new(),
         outputs,
@@ -178,7 +182,7 @@ fn fold_views(graph: &Graph, sg: &mut SimpleGraph) {
 fn link_inputs(graph: &Graph, sg: &mut SimpleGraph) {
     let reach = ViewReach::new(graph, sg);
     for g in 0..sg.groups.len() {
-        let real = graph.node(sg.groups[g].real);
+        let real = graph.node(sg.groups[g].reals[0]);
         let mut inputs: Vec<usize> = real
             .inputs
             .iter()
@@ -240,6 +244,115 @@ impl ViewReach {
             }
         }
         reach
+    }
+}
+
+/// Whether group `g` fuses into group `g + 1`: same phase, every storage of `g` planned and read
+/// by `g + 1` alone, `g + 1` reading nothing else than `g` does, and producing no more bytes.
+/// Then no other group can run between them usefully, and keeping `g + 1`'s outputs is never
+/// worse than keeping `g`'s, so no plan is lost.
+fn fuses_into_next(sg: &SimpleGraph, g: usize) -> bool {
+    let (group, next) = (&sg.groups[g], &sg.groups[g + 1]);
+    group.phase == next.phase
+        && !group.outputs.is_empty()
+        && group.outputs.iter().all(|&s| {
+            let st = &sg.storages[s];
+            st.hold == Hold::Planned && st.users == [g + 1]
+        })
+        && next
+            .inputs
+            .iter()
+            .all(|s| group.outputs.contains(s) || group.inputs.contains(s))
+        && sg.output_bytes(g + 1) <= sg.output_bytes(g)
+}
+
+/// Merges each run of groups that fuse into the next into one group, whose intermediate
+/// storages become temporary bytes: the largest of `in + out + temp` over its nodes, less the
+/// group's outputs (its inputs from outside stay alive through the group).
+fn fuse_chains(sg: SimpleGraph) -> SimpleGraph {
+    let n = sg.groups.len();
+    let mut new_group = vec![0; n];
+    let mut internal = vec![false; sg.storages.len()];
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    for (g, new) in new_group.iter_mut().enumerate() {
+        if g > 0 && fuses_into_next(&sg, g - 1) {
+            runs.last_mut().expect("a run").push(g);
+            sg.groups[g - 1]
+                .outputs
+                .iter()
+                .for_each(|&s| internal[s] = true);
+        } else {
+            runs.push(vec![g]);
+        }
+        *new = runs.len() - 1;
+    }
+    let mut new_storage = vec![None; sg.storages.len()];
+    let mut storages = Vec::new();
+    for (s, st) in sg.storages.iter().enumerate() {
+        if internal[s] {
+            continue;
+        }
+        new_storage[s] = Some(storages.len());
+        let mut users: Vec<usize> = st.users.iter().map(|&u| new_group[u]).collect();
+        users.dedup();
+        storages.push(Storage {
+            producer: new_group[st.producer],
+            users,
+            ..st.clone()
+        });
+    }
+    let remap = |list: &[usize]| -> Vec<usize> {
+        let mut out: Vec<usize> = list.iter().filter_map(|&s| new_storage[s]).collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    };
+    let groups = runs
+        .iter()
+        .map(|run| {
+            let last = &sg.groups[*run.last().expect("a run")];
+            let out_bytes = sg.output_bytes(*run.last().expect("a run"));
+            let mut peak = 0;
+            let mut carried = 0;
+            for &g in run {
+                let made = sg.output_bytes(g);
+                peak = peak.max(carried + made + sg.groups[g].temp_bytes);
+                carried = made;
+            }
+            let mut members: Vec<usize> = run
+                .iter()
+                .flat_map(|&g| sg.groups[g].members.clone())
+                .collect();
+            members.sort_unstable();
+            let inputs: Vec<usize> = run
+                .iter()
+                .flat_map(|&g| sg.groups[g].inputs.clone())
+                .collect();
+            Group {
+                reals: run
+                    .iter()
+                    .flat_map(|&g| sg.groups[g].reals.clone())
+                    .collect(),
+                members,
+                inputs: remap(&inputs),
+                outputs: remap(&last.outputs),
+                time: run.iter().map(|&g| sg.groups[g].time).sum(),
+                temp_bytes: peak - out_bytes.min(peak),
+                phase: last.phase,
+            }
+        })
+        .collect();
+    let storage_of_value = sg
+        .storage_of_value
+        .iter()
+        .map(|s| s.and_then(|s| new_storage[s]))
+        .collect();
+    SimpleGraph {
+        groups,
+        storages,
+        first_backward: 0,
+        tangent_bytes: sg.tangent_bytes,
+        storage_of_value,
     }
 }
 

@@ -201,6 +201,35 @@ fn a_batch_norm_is_run_again_in_the_backward_phase_under_a_low_budget() {
         .contains(&remat::Op::Free { value: new_stat }));
 }
 
+/// `b2`'s 20-byte output is read by `b3` alone, which reads nothing else and makes 1 byte: one
+/// group, the 20 bytes temporary. `bbn` also reads forward storages, so `b3` does not fuse into it
+/// (the forward recomputation before `bbn` must not hold `h`).
+#[test]
+fn trivial_chains_are_fused_and_joins_are_not() {
+    let g = common::batch_norm_like();
+    let sg = remat::simplify::simplify(&g);
+    let names: Vec<Vec<&str>> = sg
+        .groups
+        .iter()
+        .map(|grp| grp.reals.iter().map(|&r| g.node(r).name.as_str()).collect())
+        .collect();
+    let expected: Vec<Vec<&str>> = vec![
+        vec!["f0"],
+        vec!["bn"],
+        vec!["f2"],
+        vec!["b2", "b3"],
+        vec!["bbn"],
+        vec!["b0"],
+    ];
+    assert_eq!(names, expected);
+    assert_eq!(sg.groups[3].temp_bytes, 20);
+    assert_eq!(sg.groups[3].time, 2.0);
+    assert!(
+        sg.storages.iter().all(|st| st.owner != 7),
+        "h is no storage"
+    );
+}
+
 /// The fastest time the ILP alone finds under `recompute`, exactly (`None`: infeasible).
 fn ilp_time(g: &Graph, budget: u64, recompute: Recompute) -> Option<f64> {
     let sg = remat::simplify::simplify(g);
