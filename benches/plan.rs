@@ -29,7 +29,7 @@ fn options(solver: Solver) -> PlanOptions {
     PlanOptions {
         solver,
         time_limit: 2.0,
-        mip_gap: 0.01,
+        ..PlanOptions::default()
     }
 }
 

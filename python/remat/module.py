@@ -35,6 +35,8 @@ class Remat(nn.Module):
             comparison).
         time_limit: seconds an ILP may run; the best schedule found by then is used.
         mip_gap: relative optimality gap at which an ILP stops.
+        slots: memory slots of the DP over blocks (``"rockmate"``, ``"rotor"``): more is finer
+            and slower.
 
     In eval mode or under ``torch.no_grad()`` the plain model runs.
     """
@@ -48,6 +50,7 @@ class Remat(nn.Module):
         solver: str = "rockmate",
         time_limit: float = 30.0,
         mip_gap: float = 0.01,
+        slots: int = 500,
     ) -> None:
         super().__init__()
         if solver not in SOLVERS:
@@ -59,7 +62,7 @@ class Remat(nn.Module):
         self._sample_signature = _signature(args, kwargs)
         self._plan: _Plan | None = None
         if solver != "none":
-            self._plan = _make_plan(model, args, kwargs, budget, solver, time_limit, mip_gap)
+            self._plan = _make_plan(model, args, kwargs, budget, solver, time_limit, mip_gap, slots)
 
     # What was planned, for reports and tests.
     @property
@@ -150,7 +153,9 @@ class _Plan:
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
-def _make_plan(model, args, kwargs, budget, solver: str, time_limit: float, mip_gap: float) -> _Plan:
+def _make_plan(
+    model, args, kwargs, budget, solver: str, time_limit: float, mip_gap: float, slots: int
+) -> _Plan:
     g = trace(model, args, kwargs)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
@@ -166,7 +171,7 @@ def _make_plan(model, args, kwargs, budget, solver: str, time_limit: float, mip_
     # Plain PyTorch needs no RNG replays or buffer copies; otherwise keep room for them.
     plan_budget = target if target >= plain_peak else target - reserve
     try:
-        schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), solver, time_limit, mip_gap))
+        schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), solver, time_limit, mip_gap, slots))
     except InfeasibleBudget as exc:
         raise InfeasibleBudget(target, exc.min_budget + reserve) from None
     held_back = target - plan_budget

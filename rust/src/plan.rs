@@ -57,6 +57,8 @@ pub struct PlanOptions {
     pub time_limit: f64,
     /// Relative MIP gap at which HiGHS stops.
     pub mip_gap: f64,
+    /// Memory slots of the hierarchical solvers' DP: more is finer and slower.
+    pub slots: usize,
 }
 
 impl Default for PlanOptions {
@@ -65,6 +67,7 @@ impl Default for PlanOptions {
             solver: Solver::Rockmate,
             time_limit: 30.0,
             mip_gap: 0.01,
+            slots: crate::dp::DEFAULT_SLOTS,
         }
     }
 }
@@ -89,7 +92,7 @@ impl PlanOptions {
                 max_options: MAX_OPTIONS,
             },
             rotor: self.solver == Solver::Rotor,
-            slots: crate::dp::DEFAULT_SLOTS,
+            slots: self.slots,
             probes: 8,
         }
     }
@@ -280,8 +283,12 @@ fn check_options(options: &PlanOptions) -> Result<()> {
     let PlanOptions {
         time_limit,
         mip_gap,
+        slots,
         ..
     } = *options;
+    if slots == 0 {
+        return Err(Error::Solver("slots must be at least 1, got 0".into()));
+    }
     if time_limit.is_nan() || time_limit <= 0.0 {
         return Err(Error::Solver(format!(
             "time_limit must be > 0 seconds, got {time_limit}"

@@ -5,10 +5,10 @@ use crate::{Chain, Error, Graph, PlanOptions, Schedule, Solver};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-/// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01) -> str`: the
-/// schedule JSON.
+/// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`:
+/// the schedule JSON.
 #[pyfunction]
-#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01))]
+#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::dp::DEFAULT_SLOTS))]
 fn py_plan(
     py: Python<'_>,
     graph_json: String,
@@ -16,12 +16,14 @@ fn py_plan(
     solver: &str,
     time_limit: f64,
     mip_gap: f64,
+    slots: usize,
 ) -> PyResult<String> {
     let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
     let options = PlanOptions {
         solver,
         time_limit,
         mip_gap,
+        slots,
     };
     py.detach(|| {
         let graph = Graph::from_json(&graph_json)?;

@@ -14,6 +14,7 @@ const EXACT: PlanOptions = PlanOptions {
     solver: remat::Solver::Checkmate,
     time_limit: 30.0,
     mip_gap: 0.0,
+    slots: remat::dp::DEFAULT_SLOTS,
 };
 
 /// Four layers of 10 B; f0 is the cheapest (1 s), the others take 5 s; 4 backward nodes of 1 s.
@@ -130,17 +131,21 @@ fn below_the_minimum_the_budget_is_infeasible() {
 fn bad_options_are_solver_errors() {
     let g = four_layers();
     let bad_gap = PlanOptions {
-        solver: remat::Solver::Checkmate,
-        time_limit: 1.0,
         mip_gap: -1.0,
+        ..EXACT
     };
     assert!(matches!(plan(&g, 40, &bad_gap), Err(Error::Solver(_))));
     let bad_time = PlanOptions {
-        solver: remat::Solver::Checkmate,
         time_limit: 0.0,
-        mip_gap: 0.0,
+        ..EXACT
     };
     assert!(matches!(plan(&g, 40, &bad_time), Err(Error::Solver(_))));
+    let no_slots = PlanOptions {
+        solver: remat::Solver::Rockmate,
+        slots: 0,
+        ..EXACT
+    };
+    assert!(matches!(plan(&g, 40, &no_slots), Err(Error::Solver(_))));
 }
 
 /// Views everywhere: of a parameter (forward), of an activation feeding the next layer, of a

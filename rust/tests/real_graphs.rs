@@ -62,7 +62,7 @@ fn plans_within_budget(name: &str, time_limit: f64) {
         let options = PlanOptions {
             solver: remat::Solver::Checkmate,
             time_limit,
-            mip_gap: 0.01,
+            ..PlanOptions::default()
         };
         let schedule =
             plan(&g, budget, &options).unwrap_or_else(|e| panic!("{name} at {budget}: {e}"));

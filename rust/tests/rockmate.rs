@@ -162,7 +162,7 @@ fn check_solver(g: &Graph, solver: Solver, fractions: &[f64]) {
     let options = PlanOptions {
         solver,
         time_limit: 5.0,
-        mip_gap: 0.01,
+        ..PlanOptions::default()
     };
     for &f in fractions {
         let budget = lo + ((hi - lo) as f64 * f) as u64;
@@ -199,6 +199,7 @@ fn optimal_time(g: &Graph, budget: u64) -> f64 {
         solver: Solver::Checkmate,
         time_limit: 60.0,
         mip_gap: 0.0,
+        ..PlanOptions::default()
     };
     plan(g, budget, &exact).unwrap().predicted.unwrap().time
 }

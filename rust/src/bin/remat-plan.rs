@@ -1,5 +1,5 @@
 //! `remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] [--time-limit SECONDS]
-//! [--mip-gap GAP]`
+//! [--mip-gap GAP] [--slots N]`
 //!
 //! Reads a graph file (`docs/formats.md`), plans it under BUDGET (bytes, or a fraction in (0, 1]
 //! of plain PyTorch's peak) and prints the schedule as JSON. The crate without Python.
@@ -8,7 +8,7 @@ use remat::{budget_range, plan, Graph, PlanOptions, Solver};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] \
-                     [--time-limit SECONDS] [--mip-gap GAP]\n\
+                     [--time-limit SECONDS] [--mip-gap GAP] [--slots N]\n\
                      BUDGET: bytes, or a fraction in (0, 1] of plain PyTorch's peak";
 
 fn main() -> ExitCode {
@@ -39,6 +39,12 @@ fn run(args: &[String]) -> Result<String, String> {
             }
             "--time-limit" => options.time_limit = number(it.next(), arg)?,
             "--mip-gap" => options.mip_gap = number(it.next(), arg)?,
+            "--slots" => {
+                options.slots = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| format!("--slots needs a whole number\n{USAGE}"))?;
+            }
             "-h" | "--help" => return Err(USAGE.to_string()),
             _ => positional.push(arg.as_str()),
         }
