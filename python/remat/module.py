@@ -153,9 +153,7 @@ class _Plan:
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
-def _make_plan(
-    model, args, kwargs, budget, solver: str, time_limit: float, mip_gap: float, slots: int
-) -> _Plan:
+def _make_plan(model, args, kwargs, budget, solver: str, time_limit: float, mip_gap: float, slots: int) -> _Plan:
     g = trace(model, args, kwargs)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
