@@ -262,7 +262,7 @@ fn fuses_into_next(sg: &SimpleGraph, g: usize) -> bool {
         && next
             .inputs
             .iter()
-            .all(|s| group.outputs.contains(s) || group.inputs.contains(s))
+            .all(|&s| sg.storages[s].producer == g || sg.uses(g, s))
         && sg.output_bytes(g + 1) <= sg.output_bytes(g)
 }
 
@@ -310,8 +310,8 @@ fn fuse_chains(sg: SimpleGraph) -> SimpleGraph {
     let groups = runs
         .iter()
         .map(|run| {
-            let last = &sg.groups[*run.last().expect("a run")];
-            let out_bytes = sg.output_bytes(*run.last().expect("a run"));
+            let end = *run.last().expect("a run");
+            let out_bytes = sg.output_bytes(end);
             let mut peak = 0;
             let mut carried = 0;
             for &g in run {
@@ -319,26 +319,21 @@ fn fuse_chains(sg: SimpleGraph) -> SimpleGraph {
                 peak = peak.max(carried + made + sg.groups[g].temp_bytes);
                 carried = made;
             }
-            let mut members: Vec<usize> = run
-                .iter()
-                .flat_map(|&g| sg.groups[g].members.clone())
-                .collect();
+            let all = |field: fn(&Group) -> &Vec<usize>| -> Vec<usize> {
+                run.iter()
+                    .flat_map(|&g| field(&sg.groups[g]).iter().copied())
+                    .collect()
+            };
+            let mut members = all(|g| &g.members);
             members.sort_unstable();
-            let inputs: Vec<usize> = run
-                .iter()
-                .flat_map(|&g| sg.groups[g].inputs.clone())
-                .collect();
             Group {
-                reals: run
-                    .iter()
-                    .flat_map(|&g| sg.groups[g].reals.clone())
-                    .collect(),
+                reals: all(|g| &g.reals),
                 members,
-                inputs: remap(&inputs),
-                outputs: remap(&last.outputs),
+                inputs: remap(&all(|g| &g.inputs)),
+                outputs: remap(&sg.groups[end].outputs),
                 time: run.iter().map(|&g| sg.groups[g].time).sum(),
                 temp_bytes: peak - out_bytes.min(peak),
-                phase: last.phase,
+                phase: sg.groups[end].phase,
             }
         })
         .collect();
