@@ -3,28 +3,18 @@ within the budget on the same model and budget."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import remat
-import torch
-from helpers import OUTSIDE_MODEL_SLACK, assert_close_grads, assert_close_outputs, run_step
+from helpers import OUTSIDE_MODEL_SLACK, Reference, budget_at
 from models import gpt2
 
 
 @pytest.mark.parametrize("solver", ["rockmate", "rotor", "checkmate", "none"])
 def test_each_solver_keeps_results_within_budget(solver: str) -> None:
-    torch.manual_seed(0)
-    model, sample = gpt2(4)
-    model.train()
-    reference = copy.deepcopy(model)
-    plain = run_step(reference, reference, sample)
-    probe = remat.Remat(model, sample, None)
-    budget = (probe.min_budget + probe.plain_peak) // 2
-    rm = remat.Remat(model, sample, None if solver == "none" else budget, solver=solver, time_limit=5)
-    step = run_step(model, rm, sample)
-    assert_close_outputs(step.out, plain.out)
-    assert_close_grads(step.grads, plain.grads)
+    ref = Reference(lambda: gpt2(4))
+    budget = budget_at(ref.model, ref.sample, 0.5)
+    rm = remat.Remat(ref.model, ref.sample, None if solver == "none" else budget, solver=solver, time_limit=5)
+    step = ref.check(rm)
     if solver == "none":
         assert rm.schedule is None
         return
@@ -38,17 +28,10 @@ def test_each_solver_keeps_results_within_budget(solver: str) -> None:
 
 
 def test_fewer_dp_slots_still_keep_the_budget() -> None:
-    torch.manual_seed(0)
-    model, sample = gpt2(4)
-    model.train()
-    reference = copy.deepcopy(model)
-    plain = run_step(reference, reference, sample)
-    probe = remat.Remat(model, sample, None)
-    budget = probe.min_budget + (probe.plain_peak - probe.min_budget) // 4
-    rm = remat.Remat(model, sample, budget, slots=20)
-    step = run_step(model, rm, sample)
-    assert_close_outputs(step.out, plain.out)
-    assert_close_grads(step.grads, plain.grads)
+    ref = Reference(lambda: gpt2(4))
+    budget = budget_at(ref.model, ref.sample, 0.25)
+    rm = remat.Remat(ref.model, ref.sample, budget, slots=20)
+    step = ref.check(rm)
     assert step.peak <= budget + OUTSIDE_MODEL_SLACK, (step.peak, budget)
     with pytest.raises(remat.SolverError, match="slots"):
-        remat.Remat(model, sample, budget, slots=0)
+        remat.Remat(ref.model, ref.sample, budget, slots=0)
