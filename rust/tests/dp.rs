@@ -2,7 +2,7 @@
 //! simulator accepts under the limit, and a few cases whose answer is known.
 
 use proptest::prelude::*;
-use remat::chain::{notation, Block, BlockOption, Chain, ChainOp, ChainSequence};
+use remat::chain::{notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence};
 use remat::dp::{limits, min_limit, solve, DEFAULT_SLOTS};
 use remat::Error;
 use std::cmp::Reverse;
@@ -659,6 +659,26 @@ fn no_grad(op: &ChainOp) -> Option<usize> {
     }
 }
 
+/// The limit `level` of the way from the smallest feasible limit to plain PyTorch's peak
+/// (negative levels go below the smallest).
+fn limit_at(chain: &Chain, level: f64) -> u64 {
+    let (min, plain) = limits(chain, DEFAULT_SLOTS).unwrap();
+    (min as f64 + (plain - min) as f64 * level).max(0.0) as u64
+}
+
+/// The DP's sequence replays within `limit` and runs no `once` block without grad; its replay.
+fn check_valid(
+    chain: &Chain,
+    sequence: &ChainSequence,
+    limit: u64,
+) -> Result<ChainReport, TestCaseError> {
+    let replay = chain.simulate(&sequence.ops).unwrap();
+    prop_assert!(replay.peak_bytes <= limit);
+    let mut recomputed = sequence.ops.iter().filter_map(no_grad);
+    prop_assert!(recomputed.all(|i| !chain.blocks[i].once));
+    Ok(replay)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
@@ -666,15 +686,11 @@ proptest! {
     /// the smallest feasible limit both fail, the DP naming that limit exactly.
     #[test]
     fn dp_equals_brute_force(chain in arb_chain(false), level in -0.2..1.0f64) {
-        let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
-        let limit = (min as f64 + (plain - min) as f64 * level).max(0.0) as u64;
+        let limit = limit_at(&chain, level);
         let want = brute_force(&chain, limit);
         match solve(&chain, limit, DEFAULT_SLOTS) {
             Ok(sequence) => {
-                let replay = chain.simulate(&sequence.ops).unwrap();
-                prop_assert!(replay.peak_bytes <= limit);
-                let mut recomputed = sequence.ops.iter().filter_map(no_grad);
-                prop_assert!(recomputed.all(|i| !chain.blocks[i].once));
+                let replay = check_valid(&chain, &sequence, limit)?;
                 let (time, ops) = want.expect("the DP found a sequence");
                 prop_assert_eq!(
                     replay.time, time, "limit {}: DP {} vs exhaustive {}",
@@ -704,14 +720,10 @@ proptest! {
         chain in arb_chain(true),
         level in -0.2..1.0f64,
     ) {
-        let (min, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
-        let limit = (min as f64 + (plain - min) as f64 * level).max(0.0) as u64;
+        let limit = limit_at(&chain, level);
         match solve(&chain, limit, DEFAULT_SLOTS) {
             Ok(sequence) => {
-                let replay = chain.simulate(&sequence.ops).unwrap();
-                prop_assert!(replay.peak_bytes <= limit);
-                let mut recomputed = sequence.ops.iter().filter_map(no_grad);
-                prop_assert!(recomputed.all(|i| !chain.blocks[i].once));
+                let replay = check_valid(&chain, &sequence, limit)?;
                 let (time, _) = brute_force(&chain, limit).expect("the DP found a sequence");
                 prop_assert!(replay.time >= time, "DP {} beats the search's {}", replay.time, time);
             }
