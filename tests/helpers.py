@@ -85,10 +85,14 @@ def assert_close_outputs(a: Any, b: Any, rtol=1e-5, atol=1e-6) -> None:
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
-def budget_at(model: nn.Module, sample: Any, level: float) -> int:
-    """The budget ``level`` of the way from the smallest feasible one (0) to plain's peak (1)."""
-    probe = remat.Remat(model, sample, None)
+def budget_of(probe: remat.Remat, level: float) -> int:
+    """The budget ``level`` of the way from ``probe``'s smallest feasible one (0) to plain's peak (1)."""
     return int(probe.min_budget + level * (probe.plain_peak - probe.min_budget))
+
+
+def budget_at(model: nn.Module, sample: Any, level: float) -> int:
+    """:func:`budget_of` a fresh capture of ``model`` on ``sample``."""
+    return budget_of(remat.Remat(model, sample, None), level)
 
 
 class Reference:

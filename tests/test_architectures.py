@@ -9,7 +9,7 @@ import time
 import pytest
 import remat
 import torch
-from helpers import OUTSIDE_MODEL_SLACK, Reference
+from helpers import OUTSIDE_MODEL_SLACK, Reference, budget_of
 from models import ARCHITECTURES
 from torch import nn
 
@@ -21,11 +21,10 @@ LEVELS = (0.6, 0.3, 0.05)
 def test_architecture_under_three_budgets(name: str) -> None:
     ref = Reference(ARCHITECTURES[name])
     unlimited = remat.Remat(ref.model, ref.sample, None)
-    low, high = unlimited.min_budget, unlimited.plain_peak
-    assert low <= high
+    assert unlimited.min_budget <= unlimited.plain_peak
     rows, peaks = [], []
     for level in LEVELS:
-        budget = int(low + level * (high - low))
+        budget = budget_of(unlimited, level)
         t0 = time.perf_counter()
         rm = remat.Remat(ref.model, ref.sample, budget)
         seconds = time.perf_counter() - t0
@@ -39,7 +38,8 @@ def test_architecture_under_three_budgets(name: str) -> None:
         )
 
     nodes = len(unlimited.graph["nodes"])
-    print(f"\n{name}: {nodes} nodes, budgets {low}..{high}, plain measured {ref.plain.peak} B")
+    budgets = f"{unlimited.min_budget}..{unlimited.plain_peak}"
+    print(f"\n{name}: {nodes} nodes, budgets {budgets}, plain measured {ref.plain.peak} B")
     print("   level, budget, predicted, measured, status, solver s, capture+plan s")
     for row in rows:
         print("  ", *(f"{v:.2f}" if isinstance(v, float) else v for v in row))
