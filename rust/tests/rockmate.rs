@@ -100,6 +100,7 @@ fn same_layers(n: usize) -> Vec<Layer> {
 fn small_blocks() -> PartitionOptions {
     PartitionOptions {
         max_block_groups: 3,
+        join_groups: 0,
         max_blocks: 40,
     }
 }
@@ -134,6 +135,24 @@ fn layers_are_cut_at_their_boundaries_and_share_one_class() {
         hierarchy.classes(),
         hierarchy.blocks.len()
     );
+}
+
+/// By default, small layers are joined: no two neighbouring blocks fit in `join_groups` forward
+/// groups together, and cuts stay at layer boundaries.
+#[test]
+fn small_layers_are_joined_into_larger_blocks() {
+    let g = residual_net(100, &same_layers(30));
+    let sg = simplify(&g);
+    let options = PartitionOptions::default();
+    let part = partition(&sg, options);
+    let lens: Vec<usize> = part.forward.iter().map(Vec::len).collect();
+    assert!(lens.len() > 1 && lens.len() < 30, "blocks {lens:?}");
+    for pair in lens.windows(2) {
+        assert!(pair[0] + pair[1] > options.join_groups, "blocks {lens:?}");
+    }
+    for (c, &x) in part.sizes.iter().enumerate() {
+        assert!(x == 0 || x == 100, "cut {c} carries {x} bytes");
+    }
 }
 
 #[test]
