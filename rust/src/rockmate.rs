@@ -17,6 +17,7 @@ use crate::schedule::{Schedule, SolverStatus};
 use crate::simplify::{Hold, SimpleGraph};
 use crate::simulate::simulate;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Settings of the hierarchical solvers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -71,22 +72,13 @@ impl Hierarchy {
             }
             class_of.push(class);
         }
-        let mut status = SolverStatus::Optimal;
-        let class_options = representatives
+        let found = search_classes(&blocks, &representatives, options);
+        let status = found
             .iter()
-            .map(|&b| {
-                let sub = &blocks[b].sg;
-                if options.rotor {
-                    vec![block::store_all_option(sub)]
-                } else {
-                    let found = block::search_options(sub, &options.search);
-                    if found.status != SolverStatus::Optimal {
-                        status = found.status;
-                    }
-                    found.plans
-                }
-            })
-            .collect::<Vec<_>>();
+            .map(|f| f.status)
+            .find(|&s| s != SolverStatus::Optimal)
+            .unwrap_or(SolverStatus::Optimal);
+        let class_options: Vec<Vec<OptionPlan>> = found.into_iter().map(|f| f.plans).collect();
         let chain = chain_of(sg, &partition, &blocks, &class_of, &class_options)?;
         Ok(Hierarchy {
             partition,
@@ -150,6 +142,55 @@ impl Hierarchy {
         schedule.predicted = Some(report);
         Ok(Some(schedule))
     }
+}
+
+/// The options of each class, from its representative block: the classes' searches (per-block
+/// ILPs) run on as many threads as the machine has cores.
+fn search_classes(
+    blocks: &[SubProblem],
+    representatives: &[usize],
+    options: &HierarchyOptions,
+) -> Vec<block::Options> {
+    let search = |b: usize| {
+        let sub = &blocks[b].sg;
+        if options.rotor {
+            block::Options {
+                plans: vec![block::store_all_option(sub)],
+                status: SolverStatus::Optimal,
+            }
+        } else {
+            block::search_options(sub, &options.search)
+        }
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(representatives.len());
+    if threads <= 1 {
+        return representatives.iter().map(|&b| search(b)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let mut found: Vec<(usize, block::Options)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let c = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&b) = representatives.get(c) else {
+                            return mine;
+                        };
+                        mine.push((c, search(b)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    found.sort_by_key(|&(c, _)| c);
+    found.into_iter().map(|(_, options)| options).collect()
 }
 
 /// The chain of the partition: block sizes and deltas, each block's run without grad and its
