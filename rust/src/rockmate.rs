@@ -249,8 +249,8 @@ fn chain_of(
     .with_deltas(partition.deltas.clone())
 }
 
-/// Limits scanned from the budget to plain PyTorch's peak, beyond the budget itself.
-const SCAN_STEPS: usize = 4;
+/// Steps of the grid of limits scanned from the smallest to plain PyTorch's peak.
+const SCAN_STEPS: usize = 8;
 
 /// The fastest composed schedule whose simulated peak is within `budget`, searching the DP's
 /// memory limit; `None` if none fits.
@@ -282,14 +282,17 @@ pub fn plan_blocks(
     };
     // The largest limit whose composed schedule fits (within 0.25%): the DP's model is coarser
     // than the composed schedule (storages spanning several cuts held for the whole step), so
-    // that limit may exceed the budget, and fitting is not monotone in the limit: the limits
-    // from the budget to plain PyTorch's peak are scanned first, then the gap above the largest
-    // fitting one is bisected.
-    let start = budget.clamp(min_limit, plain_limit.max(min_limit));
-    let top = plain_limit.max(start);
+    // that limit may exceed the budget, and fitting is not monotone in the limit. So limits on a
+    // grid from the smallest to plain PyTorch's peak, the same at every budget, are probed, and
+    // the budget itself; then the gap above the largest fitting one is bisected. The grid makes
+    // plans nearly monotone in the budget: a schedule the grid finds for a budget is found for
+    // every budget it fits.
+    let top = plain_limit.max(min_limit);
     let mut scan: Vec<u64> = (0..=SCAN_STEPS)
-        .map(|k| start + (top - start) / SCAN_STEPS as u64 * k as u64)
+        .map(|k| min_limit + (top - min_limit) / SCAN_STEPS as u64 * k as u64)
+        .chain(std::iter::once(budget.clamp(min_limit, top)))
         .collect();
+    scan.sort_unstable();
     scan.dedup();
     let mut fitting = None;
     for (k, &limit) in scan.iter().enumerate() {
@@ -297,15 +300,10 @@ pub fn plan_blocks(
             fitting = Some(k);
         }
     }
-    let (mut lo, mut hi) = match fitting {
-        Some(k) => (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k])),
-        None => {
-            if start == min_limit || !probe(min_limit)? {
-                return Ok(best);
-            }
-            (min_limit, start)
-        }
+    let Some(k) = fitting else {
+        return Ok(best);
     };
+    let (mut lo, mut hi) = (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k]));
     for _ in 0..options.probes {
         if hi <= lo + (lo / 400).max(1) {
             break;
