@@ -318,9 +318,10 @@ fn option_of(sub: &SimpleGraph, plan: &StagePlan) -> OptionPlan {
 /// How a block's options are searched.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OptionSearch {
-    /// Per-block ILPs: `ilp_levels` limits on the saved bytes and as many peak budgets
-    /// ([`ilp_requests`]), besides the keep-set family.
-    pub ilp_levels: usize,
+    /// Per-block ILPs ([`ilp_requests`]), besides the keep-set family: `saved_levels` limits on
+    /// the saved bytes and `peak_levels` peak budgets.
+    pub saved_levels: usize,
+    pub peak_levels: usize,
     /// Seconds for each ILP.
     pub ilp_time_limit: f64,
     pub mip_gap: f64,
@@ -357,8 +358,8 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
     let family: Vec<OptionPlan> = stage_plans.iter().map(|p| option_of(sub, p)).collect();
     let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();
     let mut status = SolverStatus::Optimal;
-    if search.ilp_levels > 0 && sub.first_backward < sub.groups.len() {
-        for (budget, saved_limit) in ilp_requests(&family_costs, search.ilp_levels) {
+    if sub.first_backward < sub.groups.len() {
+        for (budget, saved_limit) in ilp_requests(&family_costs, search) {
             let fits = |c: &SequenceCost| {
                 c.forward_peak.max(c.backward_peak) <= budget
                     && saved_limit.is_none_or(|l| c.end_forward <= l)
@@ -397,16 +398,23 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
     }
 }
 
-/// `(peak budget, saved limit)` of each per-block ILP: `levels` limits on the bytes the forward
-/// saves under the keep-set family's largest peak (Rockmate's options of different sizes), and
-/// `levels` peak budgets with no such limit, each spread between the family's extremes.
-fn ilp_requests(family: &[SequenceCost], levels: usize) -> Vec<(u64, Option<u64>)> {
+/// `(peak budget, saved limit)` of each per-block ILP: `saved_levels` limits on the bytes the
+/// forward saves under the keep-set family's largest peak (Rockmate's options of different
+/// sizes), and `peak_levels` peak budgets with no such limit, each spread between the family's
+/// extremes.
+fn ilp_requests(family: &[SequenceCost], search: &OptionSearch) -> Vec<(u64, Option<u64>)> {
     let peak = |c: &SequenceCost| c.forward_peak.max(c.backward_peak);
     let (low, high) = extremes(family.iter().map(peak));
     let (low_saved, high_saved) = extremes(family.iter().map(|c| c.end_forward));
-    let n = levels as u64 + 1;
-    let by_saved = (1..n).map(|k| (high, Some(low_saved + (high_saved - low_saved) * k / n)));
-    let by_peak = (1..n).map(|k| (low + (high - low) * k / n, None));
+    let (n_saved, n_peak) = (
+        search.saved_levels as u64 + 1,
+        search.peak_levels as u64 + 1,
+    );
+    let by_saved = (1..n_saved).map(|k| {
+        let limit = low_saved + (high_saved - low_saved) * k / n_saved;
+        (high, Some(limit))
+    });
+    let by_peak = (1..n_peak).map(|k| (low + (high - low) * k / n_peak, None));
     by_saved.chain(by_peak).collect()
 }
 
