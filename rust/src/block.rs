@@ -324,6 +324,8 @@ pub struct OptionSearch {
     pub peak_levels: usize,
     /// Seconds for each ILP.
     pub ilp_time_limit: f64,
+    /// Most branch-and-bound nodes of each ILP.
+    pub ilp_max_nodes: usize,
     pub mip_gap: f64,
     /// Most options kept per block.
     pub max_options: usize,
@@ -376,6 +378,7 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
                 mip_gap: search.mip_gap,
                 recompute: Recompute::Lazy,
                 saved_limit,
+                max_nodes: Some(search.ilp_max_nodes),
             };
             match ilp::solve(sub, budget, options, warm) {
                 Ok(Some(solution)) => {

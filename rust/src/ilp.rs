@@ -38,6 +38,9 @@ pub struct SolveOptions {
     /// Most bytes alive entering the first backward stage (what the forward phase saves), if
     /// limited: how Rockmate asks a block for options of different sizes.
     pub saved_limit: Option<u64>,
+    /// Most branch-and-bound nodes, if limited: unlike the time limit, the same on every
+    /// machine and under any load.
+    pub max_nodes: Option<usize>,
 }
 
 /// Solves for the fastest plan keeping memory within `budget` bytes; `None` when HiGHS found no
@@ -334,6 +337,9 @@ impl<'a> Model<'a> {
             .map_err(|e| Error::Solver(format!("bad MIP gap {mip_gap}: {e}")))?;
         if let Some(values) = warm {
             problem = problem.with_initial_solution(values);
+        }
+        if let Some(nodes) = options.max_nodes {
+            problem = problem.set_option("mip_max_nodes", nodes.min(i32::MAX as usize) as i32);
         }
         let problem = self.rows.into_iter().fold(problem, |p, row| p.with(row));
         let solution = match problem.solve() {

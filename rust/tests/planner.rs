@@ -93,6 +93,7 @@ fn the_ilp_alone_matches_plain_pytorch_when_memory_is_unlimited() {
         mip_gap: 0.0,
         recompute: remat::simplify::Recompute::Anywhere,
         saved_limit: None,
+        max_nodes: None,
     };
     let solved = remat::ilp::solve(&sg, 1_000_000, options, None)
         .unwrap()
@@ -243,6 +244,7 @@ fn ilp_time(g: &Graph, budget: u64, recompute: Recompute) -> Option<f64> {
         mip_gap: 0.0,
         recompute,
         saved_limit: None,
+        max_nodes: None,
     };
     let solved = remat::ilp::solve(&sg, budget, options, None).unwrap()?;
     assert_eq!(solved.status, SolverStatus::Optimal);
