@@ -142,7 +142,7 @@ fn plain_peak(chain: &Chain) -> u64 {
         .peak_bytes
 }
 
-fn check_slots(slots: usize) -> Result<()> {
+pub(crate) fn check_slots(slots: usize) -> Result<()> {
     if slots == 0 {
         return Err(Error::Solver("slots must be at least 1".into()));
     }

@@ -297,9 +297,7 @@ fn check_options(options: &PlanOptions) -> Result<()> {
         slots,
         ..
     } = *options;
-    if slots == 0 {
-        return Err(Error::Solver("slots must be at least 1, got 0".into()));
-    }
+    crate::dp::check_slots(slots)?;
     if time_limit.is_nan() || time_limit <= 0.0 {
         return Err(Error::Solver(format!(
             "time_limit must be > 0 seconds, got {time_limit}"
