@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{chain, Builder};
+use common::{budget_at, chain, Builder};
 use proptest::prelude::*;
 use remat::graph::{OutputKind, Phase};
 use remat::plan::{min_memory, store_all};
@@ -341,7 +341,7 @@ proptest! {
         let g = random_graph(&layers, tangent);
         let (lo, hi) = budget_range(&g).unwrap();
         prop_assert!(lo <= hi);
-        let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+        let budget = budget_at(&g, fraction);
         let r = check_plan(&g, budget, &EXACT);
         let plain = report(&store_all(&g).unwrap());
         let lowest = report(&min_memory(&g).unwrap());

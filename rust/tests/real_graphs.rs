@@ -1,6 +1,9 @@
 //! The saved graphs of real models (`rust/tests/graphs/`, written by the Python capture): each
 //! reads, and plans within budget between its extremes.
 
+mod common;
+
+use common::budget_at;
 use remat::plan::min_memory;
 use remat::{budget_range, plan, Graph, PlanOptions, Solver, SolverStatus};
 use std::path::PathBuf;
@@ -33,10 +36,9 @@ fn rockmate_plans_saved_graphs_within_budget() {
     ];
     for name in names {
         let g = load(name);
-        let (lo, hi) = budget_range(&g).unwrap();
         let keep_nothing_time = min_memory(&g).unwrap().predicted.unwrap().time;
         for fraction in [0.0, 0.02, 0.3, 0.7, 1.0] {
-            let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+            let budget = budget_at(&g, fraction);
             let schedule = plan(&g, budget, &PlanOptions::default())
                 .unwrap_or_else(|e| panic!("{name} at {budget}: {e}"));
             let replay = remat::simulate(&g, &schedule).unwrap();
@@ -56,7 +58,6 @@ fn rockmate_plans_saved_graphs_within_budget() {
 #[test]
 fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
     let g = load("encoder_2l");
-    let (lo, hi) = budget_range(&g).unwrap();
     let exact = PlanOptions {
         solver: Solver::Checkmate,
         time_limit: 300.0,
@@ -64,7 +65,7 @@ fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
     };
     let mut worst: f64 = 0.0;
     for fraction in [0.8, 0.6, 0.4, 0.2, 0.05] {
-        let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+        let budget = budget_at(&g, fraction);
         let optimum = plan(&g, budget, &exact).unwrap();
         assert_eq!(optimum.solver.unwrap().status, SolverStatus::Optimal);
         let rockmate = plan(&g, budget, &PlanOptions::default()).unwrap();
@@ -82,8 +83,7 @@ fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
 #[test]
 fn rockmate_plans_the_same_schedule_twice() {
     let g = load("gpt2_2l");
-    let (lo, hi) = budget_range(&g).unwrap();
-    let budget = lo + (hi - lo) / 5;
+    let budget = budget_at(&g, 0.2);
     let first = plan(&g, budget, &PlanOptions::default()).unwrap();
     let second = plan(&g, budget, &PlanOptions::default()).unwrap();
     let optimal = |s: &remat::Schedule| s.solver.as_ref().unwrap().status == SolverStatus::Optimal;
@@ -100,7 +100,7 @@ fn plans_within_budget(name: &str, time_limit: f64) {
     assert!(lo <= hi, "{name}: {lo} > {hi}");
     let keep_nothing_time = min_memory(&g).unwrap().predicted.unwrap().time;
     for fraction in [0.0, 0.5, 0.9] {
-        let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+        let budget = budget_at(&g, fraction);
         let start = Instant::now();
         let options = PlanOptions {
             solver: remat::Solver::Checkmate,
@@ -206,11 +206,10 @@ fn report_solve_times() {
                 );
             }
         }
-        let (lo, hi) = budget_range(&g).unwrap();
         let plain = remat::plan::store_all(&g).unwrap().predicted.unwrap().time;
         let fractions = std::env::var("REMAT_FRACTIONS").unwrap_or("0.6,0.3,0.05".into());
         for fraction in fractions.split(',').map(|f| f.parse::<f64>().unwrap()) {
-            let budget = lo + ((hi - lo) as f64 * fraction) as u64;
+            let budget = budget_at(&g, fraction);
             let start = Instant::now();
             let schedule = plan(&g, budget, &options).unwrap();
             let report = schedule.predicted.unwrap();

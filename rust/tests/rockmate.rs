@@ -3,13 +3,13 @@
 
 mod common;
 
-use common::Builder;
+use common::{budget_at, Builder};
 use proptest::prelude::*;
 use remat::graph::{Graph, OutputKind, Phase};
 use remat::partition::{partition, PartitionOptions};
 use remat::rockmate::{plan_blocks, Hierarchy};
 use remat::simplify::simplify;
-use remat::{budget_range, plan, simulate, PlanOptions, Schedule, Solver};
+use remat::{plan, simulate, PlanOptions, Schedule, Solver};
 
 /// One residual layer's sizes and times: `a = f(h)`, `b = g(a)`, `h' = h + b`.
 #[derive(Debug, Clone, Copy)]
@@ -177,14 +177,13 @@ fn layers_of_different_sizes_are_different_classes() {
 /// Plans `g` with `solver` at `fractions` of the way from the smallest budget to plain
 /// PyTorch's peak; checks each schedule replays within budget.
 fn check_solver(g: &Graph, solver: Solver, fractions: &[f64]) {
-    let (lo, hi) = budget_range(g).unwrap();
     let options = PlanOptions {
         solver,
         time_limit: 5.0,
         ..PlanOptions::default()
     };
     for &f in fractions {
-        let budget = lo + ((hi - lo) as f64 * f) as u64;
+        let budget = budget_at(g, f);
         let schedule = plan(g, budget, &options).unwrap();
         let replay = simulate(g, &Schedule::from_json(&schedule.to_json()).unwrap()).unwrap();
         assert_eq!(Some(replay), schedule.predicted);
@@ -234,10 +233,9 @@ fn layer() -> impl Strategy<Value = Layer> {
 
 /// The worst ratio of the hierarchy's schedule time to the optimum at 4 budgets.
 fn worst_ratio(g: &Graph) -> Result<f64, TestCaseError> {
-    let (lo, hi) = budget_range(g).unwrap();
     let mut worst: f64 = 1.0;
     for f in [0.2, 0.4, 0.6, 0.8] {
-        let budget = lo + ((hi - lo) as f64 * f) as u64;
+        let budget = budget_at(g, f);
         let best = optimal_time(g, budget);
         let time = hierarchy_time(g, budget);
         prop_assert!(time.is_some(), "no hierarchical schedule within {budget}");

@@ -174,3 +174,9 @@ pub fn batch_norm_like() -> Graph {
     b.output(gx, OutputKind::Grad);
     b.build()
 }
+
+/// The budget `fraction` of the way from `g`'s smallest feasible budget to plain PyTorch's peak.
+pub fn budget_at(g: &Graph, fraction: f64) -> u64 {
+    let (lo, hi) = remat::budget_range(g).unwrap();
+    lo + ((hi - lo) as f64 * fraction) as u64
+}
