@@ -34,6 +34,7 @@ fn resnet_like(n: usize) -> Chain {
                     backward_temp_bytes: sizes[i] / 2,
                     forward_peak_bytes: None,
                     backward_peak_bytes: None,
+                    refill: None,
                 }],
                 once: false,
             }

@@ -469,3 +469,115 @@ pub fn runs_once(sg: &SimpleGraph, sub: &SubProblem) -> bool {
         .iter()
         .any(|&g| sg.groups[g].phase == Phase::Forward && !sg.recomputable(g))
 }
+
+/// How a block's dropped output `x_{b+1}` is made again: forward groups (local, in order) run
+/// from its inputs, what the option saved, and `kept`: local storages the option's forward made
+/// that now stay alive until the refill reads them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RefillPlan {
+    pub groups: Vec<usize>,
+    pub kept: Vec<usize>,
+}
+
+/// The refills of `plan`: from what it saved alone, and from the inputs of the groups making the
+/// output, kept until then, if they are smaller than the output (a residual sum, from its narrow
+/// branch). None if
+/// the output is empty, if the block's own backward reads it (it is saved, not dropped), or if a
+/// group on the way may not run again.
+pub fn refill_plans(sub: &SubProblem, plan: &OptionPlan) -> Vec<RefillPlan> {
+    let sg = &sub.sg;
+    let targets: Vec<usize> = (0..sg.storages.len())
+        .filter(|&s| sub.is_output[s] && sub.context_bytes[s] > 0)
+        .collect();
+    let read_back = |s: usize| plan.backward.iter().any(|&g| sg.uses(g, s));
+    if targets.is_empty() || targets.iter().any(|&s| read_back(s)) {
+        return Vec::new();
+    }
+    let saved = saved_storages(sg, plan);
+    let mut needed = vec![false; sg.groups.len()];
+    let mut stack: Vec<usize> = targets.iter().map(|&s| sg.storages[s].producer).collect();
+    let last: Vec<usize> = stack.clone();
+    while let Some(g) = stack.pop() {
+        if needed[g] {
+            continue;
+        }
+        // Outputs read by the next block are held through the sub-problem (`Hold::Step`).
+        let group = &sg.groups[g];
+        let held = |s: &usize| sg.storages[*s].hold == Hold::Step && !sub.is_output[*s];
+        if group.phase != Phase::Forward || group.outputs.iter().any(held) {
+            return Vec::new();
+        }
+        needed[g] = true;
+        let missing = sg.groups[g].inputs.iter().filter(|&&s| !saved[s]);
+        stack.extend(missing.map(|&s| sg.storages[s].producer));
+    }
+    let full = RefillPlan {
+        groups: (0..sg.groups.len()).filter(|&g| needed[g]).collect(),
+        kept: Vec::new(),
+    };
+    let mut groups = last;
+    groups.sort_unstable();
+    groups.dedup();
+    let made_forward = |s: usize| plan.forward.contains(&sg.storages[s].producer);
+    let mut kept: Vec<usize> = groups
+        .iter()
+        .flat_map(|&g| sg.groups[g].inputs.iter().copied())
+        .filter(|&s| !saved[s] && !sub.is_output[s])
+        .collect();
+    kept.sort_unstable();
+    kept.dedup();
+    let bytes = |list: &[usize]| list.iter().map(|&s| sub.context_bytes[s]).sum::<u64>();
+    // Keeping as much as the output saves nothing.
+    let worth = bytes(&kept) < bytes(&targets) && kept.iter().all(|&s| made_forward(s));
+    if groups.len() == full.groups.len() || !worth {
+        return vec![full];
+    }
+    vec![full, RefillPlan { groups, kept }]
+}
+
+/// Per local storage: alive when `plan`'s forward ends and read by its backward, or held
+/// through the block.
+fn saved_storages(sg: &SimpleGraph, plan: &OptionPlan) -> Vec<bool> {
+    let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
+    let frees_after = frees_after_last_use(sg, &seq);
+    let mut alive = vec![false; sg.storages.len()];
+    for (i, &g) in plan.forward.iter().enumerate() {
+        sg.groups[g].outputs.iter().for_each(|&s| alive[s] = true);
+        frees_after[i].iter().for_each(|&s| alive[s] = false);
+    }
+    (0..sg.storages.len())
+        .map(|s| {
+            let read_back = plan.backward.iter().any(|&g| sg.uses(g, s));
+            sg.storages[s].hold == Hold::Step || (alive[s] && read_back)
+        })
+        .collect()
+}
+
+/// The time and own peak of `refill` of `plan`: what its groups make beyond the saved and kept
+/// storages, intermediates freed after their last use.
+pub fn refill_cost(sub: &SubProblem, plan: &OptionPlan, refill: &RefillPlan) -> (f64, u64) {
+    let sg = &sub.sg;
+    let groups = &refill.groups;
+    let mut saved = saved_storages(sg, plan);
+    refill.kept.iter().for_each(|&s| saved[s] = true);
+    // Per position: the bytes of intermediates that die there, at their last read (or at once).
+    let mut dies = vec![0u64; groups.len()];
+    for (i, &g) in groups.iter().enumerate() {
+        for &s in &sg.groups[g].outputs {
+            if !saved[s] && !sub.is_output[s] {
+                let mut reads = (i..groups.len()).filter(|&j| sg.uses(groups[j], s));
+                dies[reads.next_back().unwrap_or(i)] += sub.context_bytes[s];
+            }
+        }
+    }
+    let (mut live, mut peak, mut time) = (0u64, 0u64, 0.0);
+    for (i, &g) in groups.iter().enumerate() {
+        let group = &sg.groups[g];
+        let fresh = group.outputs.iter().filter(|&&s| !saved[s]);
+        live += fresh.map(|&s| sub.context_bytes[s]).sum::<u64>();
+        peak = peak.max(live + group.temp_bytes);
+        time += group.time;
+        live -= dies[i];
+    }
+    (time, peak)
+}

@@ -52,6 +52,23 @@ pub struct BlockOption {
     /// this, `δ_{i+1}` + `xbar_{i+1}`, and `δ_i`, instead of the sum plus `backward_temp_bytes`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backward_peak_bytes: Option<u64>,
+    /// How the block's output `x_{i+1}`, once dropped ([`ChainOp::DropOutput`]), is computed
+    /// again from its input and what this option saved ([`ChainOp::Refill`]); `None`: never
+    /// dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill: Option<Refill>,
+}
+
+/// A recomputation of a block's output from its input and the bytes an option saved (Rockmate's
+/// blocks know which of their forward ops that takes).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Refill {
+    /// Seconds it takes.
+    pub time: f64,
+    /// Its own peak, the output counted as it appears: it peaks at what was alive before plus
+    /// the larger of this and the output.
+    pub peak_bytes: u64,
 }
 
 /// One block of the chain: its run without grad and its options with grad.
@@ -123,6 +140,13 @@ pub enum ChainOp {
     /// `B(i)`: backward of block `i`.
     #[serde(rename = "b")]
     Backward { block: usize, option: usize },
+    /// `D(i)`: drop the output `x_{i+1}` that `Fe(i)` stored (its saved bytes stay), after
+    /// `Fe(i+1)` read it: only the option's [`Refill`] makes it again.
+    #[serde(rename = "drop")]
+    DropOutput { block: usize },
+    /// `R(i)`: compute the dropped `x_{i+1}` again from `x_i` and the bytes `Fe(i)` saved.
+    #[serde(rename = "refill")]
+    Refill { block: usize },
 }
 
 impl std::fmt::Display for ChainOp {
@@ -135,6 +159,8 @@ impl std::fmt::Display for ChainOp {
             ChainOp::Loss => write!(f, "Loss"),
             ChainOp::Backward { block, option: 0 } => write!(f, "B({block})"),
             ChainOp::Backward { block, option } => write!(f, "B({block},{option})"),
+            ChainOp::DropOutput { block } => write!(f, "D({block})"),
+            ChainOp::Refill { block } => write!(f, "R({block})"),
         }
     }
 }
@@ -274,7 +300,11 @@ impl Chain {
                     .iter()
                     .flat_map(|o| [o.forward_time, o.backward_time]),
             );
-            for t in times {
+            let refills = block
+                .options
+                .iter()
+                .filter_map(|o| o.refill.map(|r| r.time));
+            for t in times.chain(refills) {
                 if !t.is_finite() || t < 0.0 {
                     return bad(format!(
                         "block {i} has time {t}: times must be finite and >= 0"
@@ -357,12 +387,20 @@ pub fn fastest_option(block: &Block) -> usize {
         .expect("a block has options")
 }
 
-/// Where `x_i` lives: stored plain, or inside `xbar_i` (the output of `Fe(i-1)`).
+/// Where `x_i` lives: stored plain, or inside `xbar_i` (the output of `Fe(i-1)`, option `k`),
+/// or dropped from it (the saved bytes of option `k` stay).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Held {
     No,
     Plain,
     InXbar(usize),
+    Dropped(usize),
+}
+
+impl Held {
+    fn alive(self) -> bool {
+        matches!(self, Held::Plain | Held::InXbar(_))
+    }
 }
 
 struct Replay<'c> {
@@ -444,7 +482,7 @@ impl<'c> Replay<'c> {
 
     fn check_forward(&self, i: usize) -> std::result::Result<(), String> {
         self.block(i)?;
-        if self.x[i] == Held::No {
+        if !self.x[i].alive() {
             return Err(format!("its input x_{i} is not alive"));
         }
         if self.x[i + 1] != Held::No {
@@ -508,7 +546,7 @@ impl<'c> Replay<'c> {
                     return Err("the loss was reached already".into());
                 }
                 let last = self.chain.len();
-                if self.x[last] == Held::No {
+                if !self.x[last].alive() {
                     return Err(format!("the output x_{last} is not alive"));
                 }
                 self.backward = true;
@@ -536,7 +574,7 @@ impl<'c> Replay<'c> {
                 if self.x[i + 1] != Held::InXbar(k) {
                     return Err(format!("xbar_{} of option {k} is not alive", i + 1));
                 }
-                if self.x[i] == Held::No {
+                if !self.x[i].alive() {
                     return Err(format!("its input x_{i} is not alive"));
                 }
                 let grad = self.delta_bytes(i);
@@ -561,6 +599,40 @@ impl<'c> Replay<'c> {
                 }
                 self.time += option.backward_time;
             }
+            ChainOp::DropOutput { block: i } => {
+                self.block(i)?;
+                let Held::InXbar(k) = self.x[i + 1] else {
+                    return Err(format!("x_{} is not stored by Fe({i})", i + 1));
+                };
+                if self.option(i, k)?.refill.is_none() {
+                    return Err(format!("option {k} of block {i} cannot refill its output"));
+                }
+                if i + 1 == self.chain.len() {
+                    return Err(format!("x_{} is the output", i + 1));
+                }
+                if self.block(i)?.once {
+                    return Err(format!("block {i} runs only once"));
+                }
+                self.live -= self.x_bytes[i + 1];
+                self.x_bytes[i + 1] = 0;
+                self.x[i + 1] = Held::Dropped(k);
+            }
+            ChainOp::Refill { block: i } => {
+                let Held::Dropped(k) = self.x[i + 1] else {
+                    return Err(format!("x_{} is not dropped", i + 1));
+                };
+                if !self.x[i].alive() {
+                    return Err(format!("its input x_{i} is not alive"));
+                }
+                let refill = self.option(i, k)?.refill.expect("dropped with a refill");
+                let out = self.new_x_bytes(i + 1);
+                self.peak(self.live + out.max(refill.peak_bytes));
+                self.live += out;
+                self.x[i + 1] = Held::InXbar(k);
+                self.x_bytes[i + 1] = out;
+                self.time += refill.time;
+                self.recomputed_time += refill.time;
+            }
         }
         Ok(())
     }
@@ -579,6 +651,7 @@ impl<'c> Replay<'c> {
             ));
         }
         match (1..self.x.len()).find(|&i| self.x[i] != Held::No) {
+            Some(i) if !self.x[i].alive() => Err(format!("x_{i} is dropped at the end")),
             Some(i) => Err(format!("x_{i} is still alive at the end")),
             None => Ok(()),
         }

@@ -8,7 +8,15 @@
 //! - checkpoint a later input `x_j`: `Fck(a) Fn(a+1) … Fn(j-1)`, then `T(m - x_j, j, b)`, then
 //!   `T(m, a, j-1)`; or
 //! - run block `a` with grad, option `k`: `Fe(a, k)`, then `T(m - xbar_{a+1}(k), a+1, b)`, then
-//!   `B(a, k)`.
+//!   `B(a, k)`; or, if option `k` can refill its output (`a + 1 < b`), `Fe(a, k)`, then
+//!   `D_k(m - saved(a, k), a, b)`, then `B(a, k)`.
+//!
+//! `D_k(m, a, b)` runs block `a+1` with grad and drops `x_{a+1}` (counted in `m`) while the
+//! blocks after it run: `Fe(a+1, k')`, `D(a)`, `T(m - xbar_{a+2}(k'), a+2, b)`, `R(a)` (the
+//! refill of option `k`), `B(a+1, k')`. A cheap output made from small saved tensors (a residual
+//! sum) then costs no memory while the rest of the chain runs. Drops alternate: under `D_k` the
+//! next input is held (`T`), as its refill would need `x_{a+1}`. `D_k` depends on `k` through
+//! the refill's time (added) and peak: one table per distinct peak of block `a`'s refills.
 //!
 //! A checkpoint `x_j` runs blocks `a` to `j-1` without grad, so none of them may be a
 //! [`crate::chain::Block::once`] block. Then every block runs with grad exactly once (each `Fe`
@@ -184,6 +192,9 @@ struct OptionCost {
     /// [`crate::chain::BlockOption::backward_peak_bytes`].
     backward_peak: Option<u64>,
     time: f64,
+    /// [`crate::chain::BlockOption::refill`]: its time and its peak's index in the block's
+    /// [`Costs::refill_peaks`] (never for `once` blocks).
+    refill: Option<(f64, usize)>,
 }
 
 /// The chain in memory units (bytes, or slots rounded up), as the recurrence counts it.
@@ -203,6 +214,8 @@ struct Costs {
     /// The first [`crate::chain::Block::once`] block at or after `a` (`L` if none), `a` in
     /// `0..=L`.
     next_once: Vec<usize>,
+    /// Per block: the distinct own peaks of its options' refills, ascending.
+    refill_peaks: Vec<Vec<u64>>,
 }
 
 impl Costs {
@@ -215,10 +228,26 @@ impl Costs {
         x[len] = 0;
         delta[len] = 0;
         delta.push(0);
-        let options = chain
+        let refill_peaks: Vec<Vec<u64>> = chain
             .blocks
             .iter()
             .map(|b| {
+                let mut peaks: Vec<u64> = b
+                    .options
+                    .iter()
+                    .filter_map(|o| o.refill)
+                    .map(|r| up(r.peak_bytes))
+                    .collect();
+                peaks.sort_unstable();
+                peaks.dedup();
+                peaks
+            })
+            .collect();
+        let options = chain
+            .blocks
+            .iter()
+            .zip(&refill_peaks)
+            .map(|(b, peaks)| {
                 b.options
                     .iter()
                     .map(|o| OptionCost {
@@ -228,6 +257,10 @@ impl Costs {
                         forward_peak: o.forward_peak_bytes.map(up),
                         backward_peak: o.backward_peak_bytes.map(up),
                         time: o.forward_time + o.backward_time,
+                        refill: o.refill.filter(|_| !b.once).map(|r| {
+                            let peak = peaks.binary_search(&up(r.peak_bytes));
+                            (r.time, peak.expect("a refill peak"))
+                        }),
                     })
                     .collect()
             })
@@ -258,6 +291,7 @@ impl Costs {
             forward_time: chain.blocks.iter().map(|b| b.forward_time).collect(),
             options,
             next_once,
+            refill_peaks,
         }
     }
 
@@ -292,6 +326,28 @@ impl Costs {
             None => self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp,
         };
         forward.max(backward)
+    }
+
+    /// The refill peak `r` if `T(·, a, b)` may run `D_k(·, a, b)` (`D` of peak `r`) after
+    /// `Fe(a, k)`.
+    fn drops(&self, a: usize, k: usize, b: usize) -> Option<usize> {
+        let (_, r) = self.options[a][k].refill?;
+        (a + 1 < b).then_some(r)
+    }
+
+    /// Whether `D(·, a, b)` is used: `a + 1 < b` and some option of block `a` refills.
+    fn has_drops(&self, a: usize, b: usize) -> bool {
+        a + 1 < b && !self.refill_peaks[a].is_empty()
+    }
+
+    /// Memory `D(·, a, b)` needs with refill peak `r` of block `a` and option `k'` of block
+    /// `a+1`, beyond `T(·, a+2, b)`'s (`xbar_{a+2}(k')` + that): `Fe(a+1, k')` and `B(a+1, k')`
+    /// with `x_{a+1}`, and the refill while `xbar_{a+2}(k')` and `δ_{a+2}` are held.
+    fn drop_peak(&self, a: usize, r: usize, k2: usize, b: usize) -> u64 {
+        let refill = self.refill_peaks[a][r];
+        let x = self.x[a + 1];
+        let held = self.xbar(a + 1, k2, b) + self.delta[a + 2];
+        (x + self.enable_peak(a + 1, k2, b)).max(held + x.max(refill))
     }
 
     /// Memory block `i` needs running without grad, beyond what is alive before it.
@@ -339,12 +395,25 @@ fn min_memory(costs: &Costs) -> u64 {
             let best = if a == len {
                 0
             } else {
+                let dropping = |r: usize| {
+                    let later = need[pairs.at(a + 2, b)];
+                    let options = 0..costs.options[a + 1].len();
+                    let each = options.map(|k2| {
+                        let rest = costs.xbar(a + 1, k2, b).saturating_add(later);
+                        costs.drop_peak(a, r, k2, b).max(rest)
+                    });
+                    each.min().expect("a block has options")
+                };
                 let enable = (0..costs.options[a].len()).map(|k| {
-                    let rest = if a == b {
+                    let mut rest = if a == b {
                         0
                     } else {
                         costs.xbar(a, k, b) + need[pairs.at(a + 1, b)]
                     };
+                    if let Some(r) = costs.drops(a, k, b) {
+                        let saved = costs.options[a][k].saved;
+                        rest = rest.min(saved.saturating_add(dropping(r)));
+                    }
                     costs.enable_peak(a, k, b).max(rest)
                 });
                 let mut best = enable.min().expect("a block has options");
@@ -364,9 +433,11 @@ fn min_memory(costs: &Costs) -> u64 {
     need[pairs.at(0, len)]
 }
 
-/// Choice of `T(m, a, b)`: the loss, a checkpoint `x_j`, or `Fe` with option `k`.
+/// Choice of `T(m, a, b)`: the loss, a checkpoint `x_j`, or `Fe` with option `k`, then `T` or
+/// (with `DROP`) `D_k`. Choice of `D_k(m, a, b)`: the option `k'` of block `a+1`.
 const LOSS: u32 = 0;
 const ENABLE: u32 = 1 << 31;
+const DROP: u32 = 1 << 30;
 const NONE: u32 = u32::MAX;
 
 /// The filled tables `T(m, a, b)` and their choices, for `m` in `0..=capacity`: one row of
@@ -378,6 +449,11 @@ struct Table {
     width: usize,
     time: Vec<f64>,
     choice: Vec<u32>,
+    /// `D(m, a, b)` without the refill's time, one row per refill peak `r` of block `a` from row
+    /// `drop_rows[pair (a, b)]` (`usize::MAX` where no option of block `a` refills).
+    drop_rows: Vec<usize>,
+    drop_time: Vec<f64>,
+    drop_choice: Vec<u32>,
 }
 
 impl Table {
@@ -386,27 +462,59 @@ impl Table {
         start..start + self.width
     }
 
+    fn drop_row(&self, a: usize, r: usize, b: usize) -> std::ops::Range<usize> {
+        let start = (self.drop_rows[self.pairs.at(a, b)] + r) * self.width;
+        start..start + self.width
+    }
+
     fn fill(costs: &Costs, capacity: usize) -> Result<Table> {
         let len = costs.len;
         let pairs = Pairs { n: len + 1 };
         let width = capacity + 1;
-        let entries = width.saturating_mul(pairs.count());
+        let mut drop_rows = vec![usize::MAX; pairs.count()];
+        let mut rows = 0;
+        for a in 0..len {
+            for b in a + 2..=len {
+                if costs.has_drops(a, b) {
+                    drop_rows[pairs.at(a, b)] = rows;
+                    rows += costs.refill_peaks[a].len();
+                }
+            }
+        }
+        let entries = width.saturating_mul(pairs.count() + rows);
         if entries > MAX_TABLE_ENTRIES {
             return Err(Error::Solver(format!(
                 "the DP table for {len} blocks and {capacity} slots has {entries} entries (at most \
                  {MAX_TABLE_ENTRIES}): use fewer slots"
             )));
         }
+        let plain = width * pairs.count();
         let mut table = Table {
             pairs,
             width,
-            time: vec![f64::INFINITY; entries],
-            choice: vec![NONE; entries],
+            time: vec![f64::INFINITY; plain],
+            choice: vec![NONE; plain],
+            drop_rows,
+            drop_time: vec![f64::INFINITY; width * rows],
+            drop_choice: vec![NONE; width * rows],
         };
         let mut time = vec![f64::INFINITY; width];
         let mut choice = vec![NONE; width];
         for d in 0..=len {
             for a in 0..=len - d {
+                let peaks = if a < len {
+                    costs.refill_peaks[a].len()
+                } else {
+                    0
+                };
+                for r in 0..peaks {
+                    if costs.has_drops(a, a + d) {
+                        table.drop_row_fill(costs, a, r, a + d, &mut time, &mut choice);
+                        let row = table.drop_row(a, r, a + d);
+                        table.drop_time[row.clone()].copy_from_slice(&time);
+                        table.drop_choice[row].copy_from_slice(&choice);
+                    }
+                }
                 table.best_row(costs, a, a + d, &mut time, &mut choice);
                 let row = table.row(a, a + d);
                 table.time[row.clone()].copy_from_slice(&time);
@@ -442,6 +550,17 @@ impl Table {
                     option.time + rest[i]
                 });
             }
+            if let Some(r) = costs.drops(a, k, b) {
+                let (refill, _) = option.refill.expect("an option that refills");
+                let saved = option.saved as usize;
+                let from = from.max(saved);
+                if from < width {
+                    let rest = &self.drop_time[self.drop_row(a, r, b)][from - saved..width - saved];
+                    improve(&mut time[from..], &mut choice[from..], tag | DROP, |i| {
+                        option.time + refill + rest[i]
+                    });
+                }
+            }
         }
         if a == b {
             return;
@@ -466,6 +585,32 @@ impl Table {
         }
     }
 
+    /// `D(m, a, b)` of refill peak `r` for every `m`, from `T(·, a+2, b)`.
+    fn drop_row_fill(
+        &self,
+        costs: &Costs,
+        a: usize,
+        r: usize,
+        b: usize,
+        time: &mut [f64],
+        choice: &mut [u32],
+    ) {
+        time.fill(f64::INFINITY);
+        choice.fill(NONE);
+        let width = self.width;
+        for (k2, option) in costs.options[a + 1].iter().enumerate() {
+            let xbar = costs.xbar(a + 1, k2, b) as usize;
+            let from = (costs.drop_peak(a, r, k2, b) as usize).max(xbar);
+            if from >= width {
+                continue;
+            }
+            let rest = &self.time[self.row(a + 2, b)][from - xbar..width - xbar];
+            improve(&mut time[from..], &mut choice[from..], k2 as u32, |i| {
+                option.time + rest[i]
+            });
+        }
+    }
+
     /// The op sequence of `T(capacity, 0, L)`.
     fn rebuild(&self, costs: &Costs, capacity: usize) -> Vec<ChainOp> {
         let mut ops = Vec::new();
@@ -478,9 +623,13 @@ impl Table {
             LOSS => ops.push(ChainOp::Loss),
             NONE => unreachable!("rebuilding an infeasible entry"),
             c if c & ENABLE != 0 => {
-                let option = (c & !ENABLE) as usize;
+                let option = (c & !(ENABLE | DROP)) as usize;
                 ops.push(ChainOp::ForwardEnable { block: a, option });
-                if a < b {
+                if c & DROP != 0 {
+                    let o = &costs.options[a][option];
+                    let (_, r) = o.refill.expect("an option that refills");
+                    self.rebuild_drop(costs, m - o.saved as usize, a, r, b, ops);
+                } else if a < b {
                     let xbar = costs.xbar(a, option, b) as usize;
                     self.rebuild_into(costs, m - xbar, a + 1, b, ops);
                 }
@@ -498,6 +647,35 @@ impl Table {
                 self.rebuild_into(costs, m, a, j - 1, ops);
             }
         }
+    }
+}
+
+impl Table {
+    /// The op sequence of `D(m, a, b)` of refill peak `r`.
+    fn rebuild_drop(
+        &self,
+        costs: &Costs,
+        m: usize,
+        a: usize,
+        r: usize,
+        b: usize,
+        ops: &mut Vec<ChainOp>,
+    ) {
+        let option = self.drop_choice[self.drop_row(a, r, b).start + m];
+        assert_ne!(option, NONE, "rebuilding an infeasible entry");
+        let option = option as usize;
+        ops.push(ChainOp::ForwardEnable {
+            block: a + 1,
+            option,
+        });
+        ops.push(ChainOp::DropOutput { block: a });
+        let xbar = costs.xbar(a + 1, option, b) as usize;
+        self.rebuild_into(costs, m - xbar, a + 2, b, ops);
+        ops.push(ChainOp::Refill { block: a });
+        ops.push(ChainOp::Backward {
+            block: a + 1,
+            option,
+        });
     }
 }
 

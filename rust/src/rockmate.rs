@@ -6,8 +6,8 @@
 //! several blocks, last-use frees), so the composed schedule is simulated, and the DP's memory
 //! limit is searched for the fastest composed schedule whose simulated peak fits the budget.
 
-use crate::block::{self, OptionPlan, OptionSearch, SubProblem};
-use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence};
+use crate::block::{self, OptionPlan, OptionSearch, RefillPlan, SubProblem};
+use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Refill};
 use crate::dp;
 use crate::error::Result;
 use crate::expand::schedule_of_sequence;
@@ -40,6 +40,9 @@ pub struct Hierarchy {
     pub class_of: Vec<usize>,
     /// Per class: its option plans (local group sequences).
     pub options: Vec<Vec<OptionPlan>>,
+    /// Per class and option: how the block's dropped output is made again (none for rotor's
+    /// model). An option plan may appear twice, with each of its [`block::refill_plans`].
+    pub refills: Vec<Vec<Option<RefillPlan>>>,
     pub chain: Chain,
     /// Whether every per-block ILP ended optimal.
     pub status: SolverStatus,
@@ -78,13 +81,18 @@ impl Hierarchy {
             .map(|f| f.status)
             .find(|&s| s != SolverStatus::Optimal)
             .unwrap_or(SolverStatus::Optimal);
-        let class_options: Vec<Vec<OptionPlan>> = found.into_iter().map(|f| f.plans).collect();
-        let chain = chain_of(sg, &partition, &blocks, &class_of, &class_options)?;
+        let (class_options, refills): (Vec<_>, Vec<_>) = representatives
+            .iter()
+            .zip(found)
+            .map(|(&b, found)| with_refills(&blocks[b], found.plans, !options.rotor))
+            .unzip();
+        let chain = chain_of(sg, &partition, &blocks, &class_of, &class_options, &refills)?;
         Ok(Hierarchy {
             partition,
             blocks,
             class_of,
             options: class_options,
+            refills,
             chain,
             status,
         })
@@ -99,12 +107,15 @@ impl Hierarchy {
     pub fn groups_of(&self, sequence: &ChainSequence) -> (Vec<usize>, Vec<usize>) {
         let (mut forward, mut backward) = (Vec::new(), Vec::new());
         let mut target = &mut forward;
+        // Per block: the option of its last `Fe`, whose refill `R` runs.
+        let mut enabled = vec![0; self.blocks.len()];
         for op in &sequence.ops {
             match *op {
                 ChainOp::ForwardNoGrad { block } | ChainOp::ForwardCheck { block } => {
                     target.extend_from_slice(&self.partition.forward[block]);
                 }
                 ChainOp::ForwardEnable { block, option } => {
+                    enabled[block] = option;
                     let plan = &self.options[self.class_of[block]][option];
                     let groups = &self.blocks[block].groups;
                     target.extend(plan.forward.iter().map(|&l| groups[l]));
@@ -114,6 +125,14 @@ impl Hierarchy {
                     let plan = &self.options[self.class_of[block]][option];
                     let groups = &self.blocks[block].groups;
                     target.extend(plan.backward.iter().map(|&l| groups[l]));
+                }
+                // The output's storages die at their last read before the refill runs.
+                ChainOp::DropOutput { .. } => {}
+                ChainOp::Refill { block } => {
+                    let refill = &self.refills[self.class_of[block]][enabled[block]];
+                    let refill = refill.as_ref().expect("a refill of an option that has one");
+                    let groups = &self.blocks[block].groups;
+                    target.extend(refill.groups.iter().map(|&l| groups[l]));
                 }
             }
         }
@@ -193,6 +212,32 @@ fn search_classes(
     found.into_iter().map(|(_, options)| options).collect()
 }
 
+/// Each option plan with each of its refills (`refill`) or none.
+fn with_refills(
+    sub: &SubProblem,
+    plans: Vec<OptionPlan>,
+    refill: bool,
+) -> (Vec<OptionPlan>, Vec<Option<RefillPlan>>) {
+    let mut out = (Vec::new(), Vec::new());
+    for plan in plans {
+        let refills = if refill {
+            block::refill_plans(sub, &plan)
+        } else {
+            Vec::new()
+        };
+        let refills: Vec<Option<RefillPlan>> = if refills.is_empty() {
+            vec![None]
+        } else {
+            refills.into_iter().map(Some).collect()
+        };
+        for r in refills {
+            out.0.push(plan.clone());
+            out.1.push(r);
+        }
+    }
+    out
+}
+
 /// The chain of the partition: block sizes and deltas, each block's run without grad and its
 /// class's options costed with its own times.
 fn chain_of(
@@ -201,6 +246,7 @@ fn chain_of(
     blocks: &[SubProblem],
     class_of: &[usize],
     class_options: &[Vec<OptionPlan>],
+    refills: &[Vec<Option<RefillPlan>>],
 ) -> Result<Chain> {
     let chain_blocks = blocks
         .iter()
@@ -208,19 +254,30 @@ fn chain_of(
         .map(|(b, sub)| {
             let times: Vec<f64> = sub.sg.groups.iter().map(|g| g.time).collect();
             let nograd = block::cost(&sub.sg, &block::nograd_plan(&sub.sg), &times);
-            let options = class_options[class_of[b]]
+            let class = class_of[b];
+            let options = class_options[class]
                 .iter()
-                .map(|plan| {
+                .zip(&refills[class])
+                .map(|(plan, refill)| {
                     let c = block::cost(&sub.sg, plan, &times);
+                    let kept: u64 = refill
+                        .iter()
+                        .flat_map(|r| &r.kept)
+                        .map(|&s| sub.context_bytes[s])
+                        .sum();
                     let (forward_peak, backward_peak) = block::own_peaks(sub, plan);
                     BlockOption {
                         forward_peak_bytes: Some(forward_peak),
                         backward_peak_bytes: Some(backward_peak),
                         forward_time: c.forward_time,
                         backward_time: c.backward_time,
-                        saved_bytes: c.end_forward,
+                        saved_bytes: c.end_forward + kept,
                         forward_temp_bytes: c.forward_peak - c.end_forward.min(c.forward_peak),
                         backward_temp_bytes: c.backward_peak.saturating_sub(c.end_forward),
+                        refill: refill.as_ref().map(|r| {
+                            let (time, peak_bytes) = block::refill_cost(sub, plan, r);
+                            Refill { time, peak_bytes }
+                        }),
                     }
                 })
                 .collect();

@@ -2,7 +2,9 @@
 //! simulator accepts under the limit, and a few cases whose answer is known.
 
 use proptest::prelude::*;
-use remat::chain::{notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence};
+use remat::chain::{
+    notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Refill,
+};
 use remat::dp::{limits, min_limit, solve, DEFAULT_SLOTS};
 use remat::Error;
 use std::cmp::Reverse;
@@ -17,6 +19,7 @@ fn option(forward_time: f64, backward_time: f64, saved: u64, temps: (u64, u64)) 
         backward_temp_bytes: temps.1,
         forward_peak_bytes: None,
         backward_peak_bytes: None,
+        refill: None,
     }
 }
 
@@ -198,6 +201,47 @@ fn the_simulator_rejects_invalid_sequences() {
     }
 }
 
+/// A free refill of `x_1`: dropping it while blocks 2 and 3 run costs no time, where a chain
+/// without refills recomputes.
+#[test]
+fn a_cheap_refill_replaces_a_recomputation() {
+    let mut chain = uniform(4, 10);
+    chain.blocks[0].options[0].refill = Some(Refill {
+        time: 0.0,
+        peak_bytes: 0,
+    });
+    let (_, plain) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    let limit = plain - 10;
+    let sequence = solved(&chain, limit);
+    assert_eq!(
+        notation(&sequence.ops),
+        "Fe(0) Fe(1) D(0) Fe(2) Fe(3) Loss B(3) B(2) R(0) B(1) B(0)"
+    );
+    assert_eq!(sequence.predicted.time, 12.0);
+    let without = solved(&without_refills(&chain), limit);
+    assert!(without.predicted.time > 12.0, "{}", notation(&without.ops));
+    // What the simulator refuses: a drop of an output that cannot be refilled, a block that
+    // reads a dropped input, a backward without the refill, a refill of what is not dropped.
+    let (d, r) = (
+        ChainOp::DropOutput { block: 0 },
+        ChainOp::Refill { block: 0 },
+    );
+    let rejected = [
+        vec![fe(0), fe(1), ChainOp::DropOutput { block: 1 }],
+        vec![fe(0), d, fe(1)],
+        vec![fe(0), fe(1), d, fe(2), ChainOp::Loss, bw(2), bw(1)],
+        vec![fe(0), r],
+        vec![fe(0), fe(1), d, fe(2), ChainOp::Loss, bw(2), r, r],
+    ];
+    for ops in rejected {
+        assert!(
+            matches!(chain.simulate(&ops), Err(Error::Schedule(_))),
+            "{} was accepted",
+            notation(&ops)
+        );
+    }
+}
+
 /// `chain` with the blocks `once` run only once.
 fn with_once(mut chain: Chain, once: &[usize]) -> Chain {
     for &i in once {
@@ -363,11 +407,21 @@ fn chain_files_without_the_new_fields_parse_as_before() {
 // checkpoint early and recompute it later, which can be faster; rotor does not search those.)
 // Sizes are small integers so that 500 slots are exact (one byte per slot).
 
-/// `State::x` values: not alive, an intermediate, a checkpoint, or inside `xbar` (+ option).
+/// `State::x` values: not alive, an intermediate, a checkpoint, inside `xbar` (+ option), or
+/// dropped from `xbar` (+ option: its saved bytes stay).
 const ABSENT: u8 = 0;
 const PLAIN: u8 = 1;
 const KEPT: u8 = 2;
 const XBAR: u8 = 3;
+const DROPPED: u8 = 100;
+
+fn alive(x: u8) -> bool {
+    x != ABSENT && x < DROPPED
+}
+
+fn in_xbar(x: u8) -> bool {
+    (XBAR..DROPPED).contains(&x)
+}
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct State {
@@ -403,13 +457,14 @@ impl Search<'_> {
     }
 
     fn saved(&self, i: usize, x: u8) -> u64 {
-        self.chain.blocks[i - 1].options[(x - XBAR) as usize].saved_bytes
+        let option = if x >= DROPPED { x - DROPPED } else { x - XBAR };
+        self.chain.blocks[i - 1].options[option as usize].saved_bytes
     }
 
     fn live(&self, s: &State) -> u64 {
         let mut live = 0;
         for i in 1..s.x.len() {
-            if s.x[i] != ABSENT {
+            if alive(s.x[i]) {
                 live += self.x_bytes(s, i);
             }
             if s.x[i] >= XBAR {
@@ -439,7 +494,8 @@ impl Search<'_> {
         };
         for i in 0..len {
             let b = &self.chain.blocks[i];
-            if s.x[i] != ABSENT && s.x[i + 1] == ABSENT {
+            self.drops_and_refills(s, i, live, &mut out);
+            if alive(s.x[i]) && s.x[i + 1] == ABSENT {
                 let mut next = made(s.clone(), i, PLAIN);
                 let out_bytes = self.x_bytes(&next, i + 1);
                 let need = match b.forward_peak_bytes {
@@ -480,7 +536,7 @@ impl Search<'_> {
                     }
                 }
             }
-            if s.backward && s.delta as usize == i + 1 && s.x[i + 1] >= XBAR && s.x[i] != ABSENT {
+            if s.backward && s.delta as usize == i + 1 && in_xbar(s.x[i + 1]) && alive(s.x[i]) {
                 let option = (s.x[i + 1] - XBAR) as usize;
                 let o = &b.options[option];
                 let peak = match o.backward_peak_bytes {
@@ -518,6 +574,36 @@ impl Search<'_> {
             out.push((next, 0.0, ChainOp::Loss));
         }
         out
+    }
+
+    /// `D(i)` of an output stored by an option that refills, any time; `R(i)` of a dropped one
+    /// while `x_i` is alive.
+    fn drops_and_refills(
+        &self,
+        s: &State,
+        i: usize,
+        live: u64,
+        out: &mut Vec<(State, f64, ChainOp)>,
+    ) {
+        let b = &self.chain.blocks[i];
+        let x = s.x[i + 1];
+        if i + 1 == self.chain.len() || b.once {
+            return;
+        }
+        if in_xbar(x) && b.options[(x - XBAR) as usize].refill.is_some() {
+            let mut next = s.clone();
+            next.x[i + 1] = x - XBAR + DROPPED;
+            out.push((next, 0.0, ChainOp::DropOutput { block: i }));
+        }
+        if x >= DROPPED && alive(s.x[i]) {
+            let refill = b.options[(x - DROPPED) as usize].refill.unwrap();
+            let size = self.chain.sizes[i + 1];
+            if live + size.max(refill.peak_bytes) <= self.capacity {
+                let mut next = s.clone();
+                next.x[i + 1] = x - DROPPED + XBAR;
+                out.push((next, refill.time, ChainOp::Refill { block: i }));
+            }
+        }
     }
 
     /// A sequence of least time (times are integers, so sums are exact).
@@ -627,6 +713,31 @@ fn arb_chain(own_peaks: bool) -> impl Strategy<Value = Chain> {
     })
 }
 
+/// `chain` with a refill on half of its options (a time of 0 to 2 and a peak of 0 to 7).
+fn with_refills(chain: Chain) -> impl Strategy<Value = Chain> {
+    let count: usize = chain.blocks.iter().map(|b| b.options.len()).sum();
+    let refill = (0..3u32, 0..8u64).prop_map(|(t, p)| Refill {
+        time: f64::from(t),
+        peak_bytes: p,
+    });
+    prop::collection::vec(prop::option::of(refill), count).prop_map(move |refills| {
+        let mut chain = chain.clone();
+        let options = chain.blocks.iter_mut().flat_map(|b| b.options.iter_mut());
+        for (o, r) in options.zip(refills) {
+            o.refill = r;
+        }
+        chain
+    })
+}
+
+/// `chain` without its refills.
+fn without_refills(chain: &Chain) -> Chain {
+    let mut chain = chain.clone();
+    let options = chain.blocks.iter_mut().flat_map(|b| b.options.iter_mut());
+    options.for_each(|o| o.refill = None);
+    chain
+}
+
 /// `chain` with sizes, gradients and saved bytes scaled up (and uneven), for coarse slots.
 fn scaled(chain: Chain) -> Chain {
     let up = |s: &u64| s * 1000 + 7;
@@ -726,6 +837,40 @@ proptest! {
                 let replay = check_valid(&chain, &sequence, limit)?;
                 let (time, _) = brute_force(&chain, limit).expect("the DP found a sequence");
                 prop_assert!(replay.time >= time, "DP {} beats the search's {}", replay.time, time);
+            }
+            Err(Error::Infeasible { min_budget, .. }) => {
+                prop_assert!(brute_force(&chain, min_budget).is_some());
+            }
+            Err(e) => prop_assert!(false, "{e}"),
+        }
+    }
+
+    /// With refills, the DP's sequence is valid and within the limit, never slower than without
+    /// them (it only adds choices), and never faster than the exhaustive search, which may drop
+    /// any stored output at any time (the DP drops one of two consecutive inputs, for one
+    /// block's run).
+    #[test]
+    fn dp_with_refills_is_between_the_search_and_no_refills(
+        chain in arb_chain(false).prop_flat_map(with_refills),
+        level in -0.2..1.0f64,
+    ) {
+        let limit = limit_at(&chain, level);
+        match solve(&chain, limit, DEFAULT_SLOTS) {
+            Ok(sequence) => {
+                let replay = check_valid(&chain, &sequence, limit)?;
+                let (time, ops) = brute_force(&chain, limit).expect("the DP found a sequence");
+                prop_assert!(
+                    replay.time >= time,
+                    "DP {} beats the search's {}", notation(&sequence.ops), notation(&ops)
+                );
+                prop_assert_eq!(chain.simulate(&ops).unwrap().time, time);
+                if let Ok(plain) = solve(&without_refills(&chain), limit, DEFAULT_SLOTS) {
+                    prop_assert!(
+                        replay.time <= plain.predicted.time,
+                        "DP {} slower than without refills: {}",
+                        notation(&sequence.ops), notation(&plain.ops)
+                    );
+                }
             }
             Err(Error::Infeasible { min_budget, .. }) => {
                 prop_assert!(brute_force(&chain, min_budget).is_some());

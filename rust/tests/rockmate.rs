@@ -200,6 +200,48 @@ fn rockmate_and_rotor_schedules_replay_within_budget() {
     }
 }
 
+/// Layers whose output (the residual sum) is larger than their inner tensors: each layer's
+/// options can refill its output from its input and the small branch, and the DP drops outputs
+/// while later layers run, which is faster than the chain without refills and replays within
+/// budget.
+#[test]
+fn narrow_layers_drop_and_refill_their_outputs() {
+    let layer = Layer {
+        a: 100,
+        b: 100,
+        time_a: 4.0,
+        time_b: 4.0,
+    };
+    let g = residual_net(800, &[layer; 5]);
+    let sg = simplify(&g);
+    let mut options = PlanOptions::default().hierarchy();
+    options.partition = small_blocks();
+    let mut h = Hierarchy::build(&g, &sg, &options).unwrap();
+    let refills: Vec<f64> = h.chain.blocks[1]
+        .options
+        .iter()
+        .filter_map(|o| o.refill.map(|r| r.time))
+        .collect();
+    // The residual sum alone (0.1 s, its branch kept), or the branch's ops too.
+    assert!(refills.contains(&0.1), "{refills:?}");
+    let budget = budget_at(&g, 0.4);
+    let with = plan_blocks(&g, &sg, &h, budget, &options).unwrap().unwrap();
+    let with = with.predicted.unwrap();
+    assert!(with.peak_bytes <= budget);
+    h.chain
+        .blocks
+        .iter_mut()
+        .flat_map(|b| b.options.iter_mut())
+        .for_each(|o| o.refill = None);
+    let without = plan_blocks(&g, &sg, &h, budget, &options).unwrap().unwrap();
+    let without = without.predicted.unwrap().time;
+    assert!(
+        with.time < without,
+        "{} with refills, {without} without",
+        with.time
+    );
+}
+
 /// The hierarchy's own schedule (no heuristic fallback) within budget, and its time.
 fn hierarchy_time(g: &Graph, budget: u64) -> Option<f64> {
     let sg = simplify(g);
@@ -254,7 +296,7 @@ proptest! {
 
     /// Residual layers whose inner tensors are at least as large as the hidden state (as in
     /// transformers and CNNs): the hierarchy's schedule is within 25% of the exact whole-graph
-    /// ILP's optimum at 4 budgets (the worst ratio is printed; about 1.2 seen).
+    /// ILP's optimum at 4 budgets (the worst ratio is printed; 1.17 seen).
     #[test]
     fn hierarchy_is_close_to_the_optimum_on_wide_layers(kind in layer(), n in 3usize..=5, h in 1u64..=8) {
         let hidden = 100 * h.min(kind.a / 100).min(kind.b / 100);
@@ -263,14 +305,14 @@ proptest! {
         prop_assert!(worst <= 1.25, "hierarchy {worst:.4}x the optimum");
     }
 
-    /// Any residual layers: never faster than the optimum, and at most 2.5 times as slow. The
-    /// chain model is weak when a layer's inner tensors are smaller than its output: the
-    /// optimum keeps them instead of the output and recomputes the cheap sum, which no block
-    /// option can express (the worst ratio seen is printed: about 2).
+    /// Any residual layers: never faster than the optimum, and at most twice as slow. The chain
+    /// model is weakest when a layer's inner tensors are smaller than its output: the optimum
+    /// drops every output and recomputes the cheap sums in a chain, while the DP drops every
+    /// other one (the worst ratio is printed: 1.62 seen over 40 cases, 2.4 before refills).
     #[test]
     fn hierarchy_is_bounded_on_narrow_layers(kind in layer(), n in 3usize..=5, hidden in 1u64..=8) {
         let worst = worst_ratio(&residual_net(hidden * 100, &vec![kind; n]))?;
         eprintln!("any layers: worst ratio to the optimum {worst:.4}");
-        prop_assert!(worst <= 2.5, "hierarchy {worst:.4}x the optimum");
+        prop_assert!(worst <= 2.0, "hierarchy {worst:.4}x the optimum");
     }
 }
