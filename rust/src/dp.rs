@@ -18,6 +18,14 @@
 //! next input is held (`T`), as its refill would need `x_{a+1}`. `D_k` depends on `k` through
 //! the refill's time (added) and peak: one table per distinct peak of block `a`'s refills.
 //!
+//! Or a *segment* (at most [`SEGMENT_BLOCKS`] blocks, each with its segment option, one that
+//! refills): `Fe(a) Fe(a+1) D(a) … Fe(j-1) D(j-2)`, then `T(m - held, j, b)`, then `S(m, a, j-1)`,
+//! the segment's backward with only `x_a` and `x_j` stored: `S(m, a, c)` is `B(a)` if `a = c`,
+//! else a sweep of refills `R(a) R(a+1) D(a) … R(i-1) D(i-2)` keeping `x_i`, then `S(·, i, c)`
+//! and `S(m, a, i-1)`, rotor's recurrence with refills for `Fn` (memory `m` counts all but
+//! `x_a`). A segment keeps no input but the first: the optimum on residual layers whose output
+//! is made cheaply from small saved tensors.
+//!
 //! A checkpoint `x_j` runs blocks `a` to `j-1` without grad, so none of them may be a
 //! [`crate::chain::Block::once`] block. Then every block runs with grad exactly once (each `Fe`
 //! has its `B`), and a `once` block before the loss: sub-chains after the loss (`T(m, a, j-1)`
@@ -31,6 +39,9 @@
 use crate::chain::{Chain, ChainOp, ChainSequence, ChainSolverInfo};
 use crate::error::{Error, Result};
 use std::time::Instant;
+
+/// Most blocks in a segment (`T`'s third branch): segments cost `O(slots · L² · SEGMENT_BLOCKS)`.
+const SEGMENT_BLOCKS: usize = 8;
 
 /// Default number of memory slots (rotor's).
 pub const DEFAULT_SLOTS: usize = 500;
@@ -216,6 +227,9 @@ struct Costs {
     next_once: Vec<usize>,
     /// Per block: the distinct own peaks of its options' refills, ascending.
     refill_peaks: Vec<Vec<u64>>,
+    /// Per block: its option in segments ([`Costs::segments`]): of those that refill, the
+    /// fastest with its refill (the least saved among equals).
+    segment: Vec<Option<usize>>,
 }
 
 impl Costs {
@@ -243,7 +257,7 @@ impl Costs {
                 peaks
             })
             .collect();
-        let options = chain
+        let options: Vec<Vec<OptionCost>> = chain
             .blocks
             .iter()
             .zip(&refill_peaks)
@@ -273,7 +287,17 @@ impl Costs {
                 next_once[a + 1]
             };
         }
+        let segment = options
+            .iter()
+            .map(|opts: &Vec<OptionCost>| {
+                let key = |o: &OptionCost| o.refill.map(|(t, _)| (o.time + t, o.saved));
+                (0..opts.len())
+                    .filter(|&k| opts[k].refill.is_some())
+                    .min_by(|&p, &q| key(&opts[p]).partial_cmp(&key(&opts[q])).expect("finite"))
+            })
+            .collect();
         Costs {
+            segment,
             len,
             x,
             delta,
@@ -335,6 +359,82 @@ impl Costs {
         (a + 1 < b).then_some(r)
     }
 
+    /// The memory `B(a, k)` needs, `x_{a+1}` counted and held by the caller.
+    fn backward_peak(&self, a: usize, k: usize) -> u64 {
+        let o = &self.options[a][k];
+        let xbar = self.x[a + 1] + o.saved;
+        match o.backward_peak {
+            Some(own) => (self.delta[a + 1] + xbar).max(own).max(self.delta[a]),
+            None => self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp,
+        }
+    }
+
+    /// The segments `a..j` (`Fe` of blocks `a` to `j-1` with their segment options, each input
+    /// but `x_a` dropped once read) that `T(·, a, b)` may run: `j` in `a+2..=b`, at most
+    /// [`SEGMENT_BLOCKS`] blocks, every block with a segment option.
+    fn segment_ends(&self, a: usize, b: usize) -> std::ops::RangeInclusive<usize> {
+        let mut last = a;
+        while last < b.min(a + SEGMENT_BLOCKS) && self.segment[last].is_some() {
+            last += 1;
+        }
+        a + 2..=last
+    }
+
+    /// The segments `a..j` of `T(·, a, b)`, by end `j`.
+    fn segments(&self, a: usize, b: usize) -> Vec<Segment> {
+        let mut out = Vec::new();
+        let (mut saved, mut time, mut peak) = (0, 0.0, 0);
+        for i in a..*self.segment_ends(a, b).end() {
+            let o = &self.options[i][self.segment[i].expect("a segment option")];
+            let input = if i > a { self.x[i] } else { 0 };
+            let xbar = self.x[i + 1] + o.saved;
+            let own = match o.forward_peak {
+                Some(own) => xbar.max(own),
+                None => xbar + o.forward_temp,
+            };
+            peak = peak.max(self.delta[b + 1] + saved + input + own);
+            saved += o.saved;
+            time += o.time;
+            if i > a {
+                out.push(Segment {
+                    end: i + 1,
+                    forward_peak: peak,
+                    held: saved + self.x[i + 1],
+                    time,
+                });
+            }
+        }
+        out
+    }
+
+    /// The sweeps of `S(·, a, c)` (`a < c`), by the input `x_i` they keep.
+    fn sweeps(&self, a: usize, c: usize) -> Vec<Sweep> {
+        let option = |i: usize| &self.options[i][self.segment[i].expect("a segment option")];
+        let base: u64 =
+            (a..=c).map(|i| option(i).saved).sum::<u64>() + self.x[c + 1] + self.delta[c + 1];
+        let mut out = Vec::new();
+        let (mut extra, mut saved, mut time) = (0, 0, 0.0);
+        for l in a..c {
+            let (refill, r) = option(l).refill.expect("a segment option refills");
+            let input = if l > a { self.x[l] } else { 0 };
+            extra = extra.max(input + self.x[l + 1].max(self.refill_peaks[l][r]));
+            saved += option(l).saved;
+            time += refill;
+            out.push(Sweep {
+                keep: l + 1,
+                peak: base + extra,
+                held: saved + self.x[l + 1],
+                time,
+            });
+        }
+        out
+    }
+
+    /// Whether `S(·, a, c)` is used: a segment `a..c+1` exists.
+    fn has_sweeps(&self, a: usize, c: usize) -> bool {
+        c < self.len && c - a < SEGMENT_BLOCKS && (a..=c).all(|i| self.segment[i].is_some())
+    }
+
     /// Whether `D(·, a, b)` is used: `a + 1 < b` and some option of block `a` refills.
     fn has_drops(&self, a: usize, b: usize) -> bool {
         a + 1 < b && !self.refill_peaks[a].is_empty()
@@ -369,6 +469,24 @@ impl Costs {
     }
 }
 
+/// `Fe(a) Fe(a+1) D(a) … Fe(j-1) D(j-2)` with the blocks' segment options: the first op's peak,
+/// what stays held (their saved bytes and `x_j`), their `Fe` and `B` times.
+struct Segment {
+    end: usize,
+    forward_peak: u64,
+    held: u64,
+    time: f64,
+}
+
+/// `R(a) R(a+1) D(a) … R(i-1) D(i-2)` inside `S(·, a, c)`: its peak (with what `S` holds), what
+/// stays held beside `S(·, i, c)` (saved bytes of blocks `a..i-1` and `x_i`), its time.
+struct Sweep {
+    keep: usize,
+    peak: u64,
+    held: u64,
+    time: f64,
+}
+
 /// Index of the pair `a <= b` among `0..=L`, row by row.
 struct Pairs {
     n: usize,
@@ -389,9 +507,21 @@ fn min_memory(costs: &Costs) -> u64 {
     let len = costs.len;
     let pairs = Pairs { n: len + 1 };
     let mut need = vec![u64::MAX; pairs.count()];
+    let mut need_s = vec![u64::MAX; pairs.count()];
     for d in 0..=len {
         for a in 0..=len - d {
             let b = a + d;
+            if costs.has_sweeps(a, b) {
+                need_s[pairs.at(a, b)] = if a == b {
+                    costs.backward_peak(a, costs.segment[a].expect("a segment option"))
+                } else {
+                    let each = costs.sweeps(a, b).into_iter().map(|sw| {
+                        let inner = sw.held.saturating_add(need_s[pairs.at(sw.keep, b)]);
+                        sw.peak.max(inner).max(need_s[pairs.at(a, sw.keep - 1)])
+                    });
+                    each.min().expect("a sweep")
+                };
+            }
             let best = if a == len {
                 0
             } else {
@@ -417,6 +547,11 @@ fn min_memory(costs: &Costs) -> u64 {
                     costs.enable_peak(a, k, b).max(rest)
                 });
                 let mut best = enable.min().expect("a block has options");
+                for seg in costs.segments(a, b) {
+                    let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
+                    let back = need_s[pairs.at(a, seg.end - 1)];
+                    best = best.min(seg.forward_peak.max(deep).max(back));
+                }
                 let mut forward = costs.check_peak(a, b);
                 for j in costs.checkpoints(a, b) {
                     let rest = (costs.x[j] + need[pairs.at(j, b)]).max(need[pairs.at(a, j - 1)]);
@@ -438,6 +573,8 @@ fn min_memory(costs: &Costs) -> u64 {
 const LOSS: u32 = 0;
 const ENABLE: u32 = 1 << 31;
 const DROP: u32 = 1 << 30;
+/// A segment ending at `j`: `SEGMENT | j`.
+const SEGMENT: u32 = 1 << 29;
 const NONE: u32 = u32::MAX;
 
 /// The filled tables `T(m, a, b)` and their choices, for `m` in `0..=capacity`: one row of
@@ -454,6 +591,9 @@ struct Table {
     drop_rows: Vec<usize>,
     drop_time: Vec<f64>,
     drop_choice: Vec<u32>,
+    /// `S(m, a, c)`, one row per pair like `T`: the refills' time; choice: the input kept.
+    sweep_time: Vec<f64>,
+    sweep_choice: Vec<u32>,
 }
 
 impl Table {
@@ -481,7 +621,7 @@ impl Table {
                 }
             }
         }
-        let entries = width.saturating_mul(pairs.count() + rows);
+        let entries = width.saturating_mul(2 * pairs.count() + rows);
         if entries > MAX_TABLE_ENTRIES {
             return Err(Error::Solver(format!(
                 "the DP table for {len} blocks and {capacity} slots has {entries} entries (at most \
@@ -497,6 +637,8 @@ impl Table {
             drop_rows,
             drop_time: vec![f64::INFINITY; width * rows],
             drop_choice: vec![NONE; width * rows],
+            sweep_time: vec![f64::INFINITY; plain],
+            sweep_choice: vec![NONE; plain],
         };
         let mut time = vec![f64::INFINITY; width];
         let mut choice = vec![NONE; width];
@@ -514,6 +656,12 @@ impl Table {
                         table.drop_time[row.clone()].copy_from_slice(&time);
                         table.drop_choice[row].copy_from_slice(&choice);
                     }
+                }
+                if costs.has_sweeps(a, a + d) {
+                    table.sweep_row(costs, a, a + d, &mut time, &mut choice);
+                    let row = table.row(a, a + d);
+                    table.sweep_time[row.clone()].copy_from_slice(&time);
+                    table.sweep_choice[row].copy_from_slice(&choice);
                 }
                 table.best_row(costs, a, a + d, &mut time, &mut choice);
                 let row = table.row(a, a + d);
@@ -565,6 +713,19 @@ impl Table {
         if a == b {
             return;
         }
+        for seg in costs.segments(a, b) {
+            let from = seg.forward_peak.max(seg.held) as usize;
+            if from >= width {
+                continue;
+            }
+            let held = seg.held as usize;
+            let later = &self.time[self.row(seg.end, b)][from - held..width - held];
+            let back = &self.sweep_time[self.row(a, seg.end - 1)][from..];
+            let tag = SEGMENT | seg.end as u32;
+            improve(&mut time[from..], &mut choice[from..], tag, |i| {
+                seg.time + later[i] + back[i]
+            });
+        }
         let mut forward = costs.forward_time[a];
         let mut forward_peak = costs.check_peak(a, b);
         for j in costs.checkpoints(a, b) {
@@ -582,6 +743,35 @@ impl Table {
                 forward_peak = forward_peak.max(costs.nograd_peak(j, b));
                 forward += costs.forward_time[j];
             }
+        }
+    }
+
+    /// `S(m, a, c)` for every `m`, from shorter segments.
+    fn sweep_row(&self, costs: &Costs, a: usize, c: usize, time: &mut [f64], choice: &mut [u32]) {
+        time.fill(f64::INFINITY);
+        choice.fill(NONE);
+        let width = self.width;
+        if a == c {
+            let from = costs.backward_peak(a, costs.segment[a].expect("a segment option"));
+            let from = (from as usize).min(width);
+            time[from..].fill(0.0);
+            choice[from..].fill(LOSS);
+            return;
+        }
+        for sw in costs.sweeps(a, c) {
+            let from = sw.peak.max(sw.held) as usize;
+            if from >= width {
+                continue;
+            }
+            let held = sw.held as usize;
+            let inner = &self.sweep_time[self.row(sw.keep, c)][from - held..width - held];
+            let left = &self.sweep_time[self.row(a, sw.keep - 1)][from..];
+            improve(
+                &mut time[from..],
+                &mut choice[from..],
+                sw.keep as u32,
+                |i| sw.time + inner[i] + left[i],
+            );
         }
     }
 
@@ -622,6 +812,25 @@ impl Table {
         match self.choice[self.row(a, b).start + m] {
             LOSS => ops.push(ChainOp::Loss),
             NONE => unreachable!("rebuilding an infeasible entry"),
+            c if c & ENABLE == 0 && c & SEGMENT != 0 => {
+                let end = (c & !SEGMENT) as usize;
+                let option = |i: usize| costs.segment[i].expect("a segment option");
+                ops.push(ChainOp::ForwardEnable {
+                    block: a,
+                    option: option(a),
+                });
+                for i in a + 1..end {
+                    ops.push(ChainOp::ForwardEnable {
+                        block: i,
+                        option: option(i),
+                    });
+                    ops.push(ChainOp::DropOutput { block: i - 1 });
+                }
+                let seg = costs.segments(a, b).into_iter().find(|s| s.end == end);
+                let held = seg.expect("the chosen segment").held as usize;
+                self.rebuild_into(costs, m - held, end, b, ops);
+                self.rebuild_sweep(costs, m, a, end - 1, ops);
+            }
             c if c & ENABLE != 0 => {
                 let option = (c & !(ENABLE | DROP)) as usize;
                 ops.push(ChainOp::ForwardEnable { block: a, option });
@@ -651,6 +860,28 @@ impl Table {
 }
 
 impl Table {
+    /// The op sequence of `S(m, a, c)`.
+    fn rebuild_sweep(&self, costs: &Costs, m: usize, a: usize, c: usize, ops: &mut Vec<ChainOp>) {
+        let keep = self.sweep_choice[self.row(a, c).start + m];
+        assert_ne!(keep, NONE, "rebuilding an infeasible entry");
+        if a == c {
+            let option = costs.segment[a].expect("a segment option");
+            ops.push(ChainOp::Backward { block: a, option });
+            return;
+        }
+        let keep = keep as usize;
+        for l in a..keep {
+            ops.push(ChainOp::Refill { block: l });
+            if l > a {
+                ops.push(ChainOp::DropOutput { block: l - 1 });
+            }
+        }
+        let sweep = costs.sweeps(a, c).into_iter().find(|s| s.keep == keep);
+        let held = sweep.expect("the chosen sweep").held as usize;
+        self.rebuild_sweep(costs, m - held, keep, c, ops);
+        self.rebuild_sweep(costs, m, a, keep - 1, ops);
+    }
+
     /// The op sequence of `D(m, a, b)` of refill peak `r`.
     fn rebuild_drop(
         &self,

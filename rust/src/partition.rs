@@ -31,7 +31,7 @@ impl Default for PartitionOptions {
     fn default() -> Self {
         PartitionOptions {
             max_block_groups: 24,
-            join_groups: 6,
+            join_groups: 8,
             max_blocks: 64,
         }
     }

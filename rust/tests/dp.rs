@@ -242,6 +242,30 @@ fn a_cheap_refill_replaces_a_recomputation() {
     }
 }
 
+/// Free refills on every block: a segment runs every block once with grad, keeps only its first
+/// input and recomputes the others by sweeps of refills, so that at the smallest limit the step
+/// takes plain PyTorch's time, as the exhaustive search finds, where rotor's chain recomputes.
+#[test]
+fn a_segment_keeps_one_input_and_sweeps_refills() {
+    let mut chain = uniform(6, 10);
+    for b in &mut chain.blocks {
+        b.options[0].refill = Some(Refill {
+            time: 0.0,
+            peak_bytes: 0,
+        });
+    }
+    let plain_time = chain.simulate(&chain.plain_ops()).unwrap().time;
+    let (min, _) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    let without = solved(&without_refills(&chain), min);
+    assert!(without.predicted.time > plain_time);
+    let sequence = solved(&chain, min);
+    assert_eq!(sequence.predicted.time, plain_time);
+    assert_eq!(brute_force(&chain, min).unwrap().0, plain_time);
+    let refills = count(&sequence.ops, |op| matches!(op, ChainOp::Refill { .. }));
+    assert!(refills >= 6, "{}", notation(&sequence.ops));
+    assert!(notation(&sequence.ops).starts_with("Fe(0) Fe(1) D(0) Fe(2) D(1)"));
+}
+
 /// `chain` with the blocks `once` run only once.
 fn with_once(mut chain: Chain, once: &[usize]) -> Chain {
     for &i in once {
