@@ -18,13 +18,17 @@
 //! next input is held (`T`), as its refill would need `x_{a+1}`. `D_k` depends on `k` through
 //! the refill's time (added) and peak: one table per distinct peak of block `a`'s refills.
 //!
-//! Or a *segment* (at most [`SEGMENT_BLOCKS`] blocks, each with its segment option, one that
-//! refills): `Fe(a) Fe(a+1) D(a) … Fe(j-1) D(j-2)`, then `T(m - held, j, b)`, then `S(m, a, j-1)`,
-//! the segment's backward with only `x_a` and `x_j` stored: `S(m, a, c)` is `B(a)` if `a = c`,
-//! else a sweep of refills `R(a) R(a+1) D(a) … R(i-1) D(i-2)` keeping `x_i`, then `S(·, i, c)`
-//! and `S(m, a, i-1)`, rotor's recurrence with refills for `Fn` (memory `m` counts all but
-//! `x_a`). A segment keeps no input but the first: the optimum on residual layers whose output
-//! is made cheaply from small saved tensors.
+//! Or a *segment* of at most [`SEGMENT_BLOCKS`] blocks in a *profile* `p`: `Fe(a) Fe(a+1) D(a)
+//! … Fe(j-1) D(j-2)`, each block but the last with its `p`-th segment option (one that refills;
+//! per block at most [`PROFILES`], from the fastest to the least saved), the last one, whose
+//! output is kept, with an option `k` (one of at most [`PROFILES`]); then `T(m - held, j, b)`,
+//! then `S_{p,k}(m, a, j-1)`, the segment's backward with only `x_a` and `x_j` stored:
+//! `S_{p,k}(m, a, c)` is `B(c, k)` if `a = c`, else a sweep of refills `R(a) R(a+1) D(a) … R(i-1)
+//! D(i-2)` keeping `x_i`, then `S_{p,k}(·, i, c)` and `S_{p,k'}(m, a, i-1)` (`k'` block `i-1`'s
+//! option in `p`), rotor's recurrence with refills for `Fn` (memory `m` counts all but `x_a`).
+//! A segment keeps no input but the first: the optimum on residual layers whose output is made
+//! cheaply from small saved tensors, where a layer may save its inner tensors while the next
+//! saves nothing.
 //!
 //! A checkpoint `x_j` runs blocks `a` to `j-1` without grad, so none of them may be a
 //! [`crate::chain::Block::once`] block. Then every block runs with grad exactly once (each `Fe`
@@ -40,7 +44,8 @@ use crate::chain::{Chain, ChainOp, ChainSequence, ChainSolverInfo};
 use crate::error::{Error, Result};
 use std::time::Instant;
 
-/// Most blocks in a segment (`T`'s third branch): segments cost `O(slots · L² · SEGMENT_BLOCKS)`.
+/// Most blocks in a segment (`T`'s third branch): segments cost `O(slots · L² · SEGMENT_BLOCKS ·
+/// PROFILES²)`.
 const SEGMENT_BLOCKS: usize = 8;
 
 /// Default number of memory slots (rotor's).
@@ -227,9 +232,18 @@ struct Costs {
     next_once: Vec<usize>,
     /// Per block: the distinct own peaks of its options' refills, ascending.
     refill_peaks: Vec<Vec<u64>>,
-    /// Per block: its option in segments ([`Costs::segments`]): of those that refill, the
-    /// fastest with its refill (the least saved among equals).
-    segment: Vec<Option<usize>>,
+    /// Per block: its options in segments ([`Costs::segments`], [`segment_options`]).
+    segment: Vec<Vec<usize>>,
+    /// Segments run in profiles: profile `p` runs each block with its `p`-th segment option (its
+    /// last if it has fewer).
+    profiles: usize,
+    /// Per block: its options as the last block of a segment, whose output is kept
+    /// ([`last_options`]).
+    last: Vec<Vec<usize>>,
+    /// Per block: its options in `S` ([`Costs::last`] and [`Costs::segment`]), and the position
+    /// of each option among them (`usize::MAX` if not).
+    sweep_options: Vec<Vec<usize>>,
+    sweep_position: Vec<Vec<usize>>,
 }
 
 impl Costs {
@@ -287,17 +301,34 @@ impl Costs {
                 next_once[a + 1]
             };
         }
-        let segment = options
+        let segment: Vec<Vec<usize>> = options.iter().map(|o| segment_options(o)).collect();
+        let profiles = segment.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let last: Vec<Vec<usize>> = options.iter().map(|o| last_options(o)).collect();
+        let sweep_options: Vec<Vec<usize>> = last
             .iter()
-            .map(|opts: &Vec<OptionCost>| {
-                let key = |o: &OptionCost| o.refill.map(|(t, _)| (o.time + t, o.saved));
-                (0..opts.len())
-                    .filter(|&k| opts[k].refill.is_some())
-                    .min_by(|&p, &q| key(&opts[p]).partial_cmp(&key(&opts[q])).expect("finite"))
+            .zip(&segment)
+            .map(|(l, s)| {
+                let mut all: Vec<usize> = l.iter().chain(s).copied().collect();
+                all.sort_unstable();
+                all.dedup();
+                all
+            })
+            .collect();
+        let sweep_position = sweep_options
+            .iter()
+            .zip(&options)
+            .map(|(list, o)| {
+                let mut position = vec![usize::MAX; o.len()];
+                list.iter().enumerate().for_each(|(p, &k)| position[k] = p);
+                position
             })
             .collect();
         Costs {
             segment,
+            profiles,
+            last,
+            sweep_options,
+            sweep_position,
             len,
             x,
             delta,
@@ -369,49 +400,64 @@ impl Costs {
         }
     }
 
-    /// The segments `a..j` (`Fe` of blocks `a` to `j-1` with their segment options, each input
-    /// but `x_a` dropped once read) that `T(·, a, b)` may run: `j` in `a+2..=b`, at most
-    /// [`SEGMENT_BLOCKS`] blocks, every block with a segment option.
-    fn segment_ends(&self, a: usize, b: usize) -> std::ops::RangeInclusive<usize> {
-        let mut last = a;
-        while last < b.min(a + SEGMENT_BLOCKS) && self.segment[last].is_some() {
-            last += 1;
-        }
-        a + 2..=last
+    /// Block `i`'s option in segment profile `p`.
+    fn segment_option(&self, i: usize, p: usize) -> usize {
+        let list = &self.segment[i];
+        list[p.min(list.len() - 1)]
     }
 
-    /// The segments `a..j` of `T(·, a, b)`, by end `j`.
+    /// The segments `a..j` of `T(·, a, b)` (`Fe` of blocks `a` to `j-1`, each input but `x_a`
+    /// dropped once read), by end `j` in `a+2..=b`, profile and option of block `j-1`: at most
+    /// [`SEGMENT_BLOCKS`] blocks, each but the last with its option in the profile (the last
+    /// one's output is kept: any option). Profiles that run the same options are left out.
     fn segments(&self, a: usize, b: usize) -> Vec<Segment> {
         let mut out = Vec::new();
-        let (mut saved, mut time, mut peak) = (0, 0.0, 0);
-        for i in a..*self.segment_ends(a, b).end() {
-            let o = &self.options[i][self.segment[i].expect("a segment option")];
-            let input = if i > a { self.x[i] } else { 0 };
-            let xbar = self.x[i + 1] + o.saved;
-            let own = match o.forward_peak {
-                Some(own) => xbar.max(own),
-                None => xbar + o.forward_temp,
-            };
-            peak = peak.max(self.delta[b + 1] + saved + input + own);
-            saved += o.saved;
-            time += o.time;
-            if i > a {
-                out.push(Segment {
-                    end: i + 1,
-                    forward_peak: peak,
-                    held: saved + self.x[i + 1],
-                    time,
-                });
+        for profile in 0..self.profiles {
+            let (mut saved, mut time, mut peak) = (0, 0.0, 0);
+            let mut distinct = profile == 0;
+            for i in a..b.min(a + SEGMENT_BLOCKS) {
+                let input = if i > a { self.x[i] } else { 0 };
+                let step = |o: &OptionCost| {
+                    let xbar = self.x[i + 1] + o.saved;
+                    let own = match o.forward_peak {
+                        Some(own) => xbar.max(own),
+                        None => xbar + o.forward_temp,
+                    };
+                    peak.max(self.delta[b + 1] + saved + input + own)
+                };
+                if i > a && distinct {
+                    for &k in &self.last[i] {
+                        let o = &self.options[i][k];
+                        out.push(Segment {
+                            end: i + 1,
+                            profile,
+                            option: k,
+                            forward_peak: step(o),
+                            held: saved + o.saved + self.x[i + 1],
+                            time: time + o.time,
+                        });
+                    }
+                }
+                if self.segment[i].is_empty() {
+                    break;
+                }
+                distinct |= self.segment[i].len() > profile;
+                let o = &self.options[i][self.segment_option(i, profile)];
+                peak = step(o);
+                saved += o.saved;
+                time += o.time;
             }
         }
         out
     }
 
-    /// The sweeps of `S(·, a, c)` (`a < c`), by the input `x_i` they keep.
-    fn sweeps(&self, a: usize, c: usize) -> Vec<Sweep> {
-        let option = |i: usize| &self.options[i][self.segment[i].expect("a segment option")];
-        let base: u64 =
-            (a..=c).map(|i| option(i).saved).sum::<u64>() + self.x[c + 1] + self.delta[c + 1];
+    /// The sweeps of `S_{p,k}(·, a, c)` (`a < c`), by the input `x_i` they keep.
+    fn sweeps(&self, a: usize, c: usize, p: usize, k: usize) -> Vec<Sweep> {
+        let option = |i: usize| &self.options[i][self.segment_option(i, p)];
+        let base: u64 = (a..c).map(|i| option(i).saved).sum::<u64>()
+            + self.options[c][k].saved
+            + self.x[c + 1]
+            + self.delta[c + 1];
         let mut out = Vec::new();
         let (mut extra, mut saved, mut time) = (0, 0, 0.0);
         for l in a..c {
@@ -430,9 +476,19 @@ impl Costs {
         out
     }
 
-    /// Whether `S(·, a, c)` is used: a segment `a..c+1` exists.
+    /// Whether `S_{p,k}(·, a, c)` is used (for every profile `p` and option `k` of block `c`):
+    /// a segment `a..c+1` may exist.
     fn has_sweeps(&self, a: usize, c: usize) -> bool {
-        c < self.len && c - a < SEGMENT_BLOCKS && (a..=c).all(|i| self.segment[i].is_some())
+        c < self.len && c - a < SEGMENT_BLOCKS && (a..c).all(|i| !self.segment[i].is_empty())
+    }
+
+    /// The `(profile, option of block c)` of every `S_{p,k}(·, a, c)` used.
+    fn sweep_kinds(&self, a: usize, c: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let options: &[usize] = match self.has_sweeps(a, c) {
+            true => &self.sweep_options[c],
+            false => &[],
+        };
+        (0..self.profiles).flat_map(move |p| options.iter().map(move |&k| (p, k)))
     }
 
     /// Whether `D(·, a, b)` is used: `a + 1 < b` and some option of block `a` refills.
@@ -469,16 +525,68 @@ impl Costs {
     }
 }
 
-/// `Fe(a) Fe(a+1) D(a) … Fe(j-1) D(j-2)` with the blocks' segment options: the first op's peak,
-/// what stays held (their saved bytes and `x_j`), their `Fe` and `B` times.
+/// Most options of a block in segments, as their last block or in a profile.
+const PROFILES: usize = 4;
+
+/// The options of a block in segments ([`Costs::segment`]): those that refill and that no other
+/// beats in both time (with the refill's) and saved bytes, fastest first; at most [`PROFILES`],
+/// spread over them.
+fn segment_options(options: &[OptionCost]) -> Vec<usize> {
+    let refills: Vec<usize> = (0..options.len())
+        .filter(|&k| options[k].refill.is_some())
+        .collect();
+    let total = |k: usize| options[k].time + options[k].refill.map_or(0.0, |(t, _)| t);
+    pareto(options, refills, total)
+}
+
+/// The options of a block as the last of a segment ([`Costs::last`]): those no other beats in
+/// both time and saved bytes, fastest first; at most [`PROFILES`], spread over them.
+fn last_options(options: &[OptionCost]) -> Vec<usize> {
+    pareto(options, (0..options.len()).collect(), |k| options[k].time)
+}
+
+/// Of `candidates`, those that no other beats in both `time` and saved bytes, fastest first
+/// (the least saved among equals); at most [`PROFILES`], spread over them.
+fn pareto(
+    options: &[OptionCost],
+    mut candidates: Vec<usize>,
+    time: impl Fn(usize) -> f64,
+) -> Vec<usize> {
+    candidates.sort_by(|&p, &q| {
+        let key = |k: usize| (time(k), options[k].saved);
+        key(p).partial_cmp(&key(q)).expect("finite times")
+    });
+    let mut front: Vec<usize> = Vec::new();
+    for k in candidates {
+        if front
+            .last()
+            .is_none_or(|&f| options[k].saved < options[f].saved)
+        {
+            front.push(k);
+        }
+    }
+    if front.len() <= PROFILES {
+        return front;
+    }
+    let last = front.len() - 1;
+    (0..PROFILES)
+        .map(|p| front[(p * last).div_ceil(PROFILES - 1)])
+        .collect()
+}
+
+/// `Fe(a) Fe(a+1) D(a) … Fe(j-1) D(j-2)` with the blocks' options in `profile` (`option` for
+/// block `j-1`): the first op's peak, what stays held (their saved bytes and `x_j`), their `Fe`
+/// and `B` times.
 struct Segment {
     end: usize,
+    profile: usize,
+    option: usize,
     forward_peak: u64,
     held: u64,
     time: f64,
 }
 
-/// `R(a) R(a+1) D(a) … R(i-1) D(i-2)` inside `S(·, a, c)`: its peak (with what `S` holds), what
+/// `R(a) R(a+1) D(a) … R(i-1) D(i-2)` inside `S_{p,k}(·, a, c)`: its peak (with what `S` holds), what
 /// stays held beside `S(·, i, c)` (saved bytes of blocks `a..i-1` and `x_i`), its time.
 struct Sweep {
     keep: usize,
@@ -502,22 +610,65 @@ impl Pairs {
     }
 }
 
+/// The row of each `S_{p,k}(·, a, c)` among the sweep tables: `first[pair (a, c)] + p · K_c +
+/// i`, option `k` the `i`-th of the `K_c` [`Costs::sweep_options`] of block `c`.
+struct SweepRows {
+    pairs: Pairs,
+    first: Vec<usize>,
+    /// Per block `c`: `K_c` and the position of each option.
+    options: Vec<(usize, Vec<usize>)>,
+    count: usize,
+}
+
+impl SweepRows {
+    fn new(costs: &Costs) -> SweepRows {
+        let pairs = Pairs { n: costs.len + 1 };
+        let mut first = vec![usize::MAX; pairs.count()];
+        let mut count = 0;
+        for a in 0..costs.len {
+            for c in a..costs.len {
+                if costs.has_sweeps(a, c) {
+                    first[pairs.at(a, c)] = count;
+                    count += costs.profiles * costs.sweep_options[c].len();
+                }
+            }
+        }
+        let options = (costs.sweep_options.iter().map(Vec::len))
+            .zip(costs.sweep_position.iter().cloned())
+            .collect();
+        SweepRows {
+            pairs,
+            first,
+            options,
+            count,
+        }
+    }
+
+    fn at(&self, a: usize, c: usize, p: usize, k: usize) -> usize {
+        let (options, position) = &self.options[c];
+        self.first[self.pairs.at(a, c)] + p * options + position[k]
+    }
+}
+
 /// The least memory (in the costs' units) with which `T(·, 0, L)` is feasible.
 fn min_memory(costs: &Costs) -> u64 {
     let len = costs.len;
     let pairs = Pairs { n: len + 1 };
+    let rows = SweepRows::new(costs);
     let mut need = vec![u64::MAX; pairs.count()];
-    let mut need_s = vec![u64::MAX; pairs.count()];
+    let mut need_s = vec![u64::MAX; rows.count];
     for d in 0..=len {
         for a in 0..=len - d {
             let b = a + d;
-            if costs.has_sweeps(a, b) {
-                need_s[pairs.at(a, b)] = if a == b {
-                    costs.backward_peak(a, costs.segment[a].expect("a segment option"))
+            for (p, k) in costs.sweep_kinds(a, b) {
+                need_s[rows.at(a, b, p, k)] = if a == b {
+                    costs.backward_peak(a, k)
                 } else {
-                    let each = costs.sweeps(a, b).into_iter().map(|sw| {
-                        let inner = sw.held.saturating_add(need_s[pairs.at(sw.keep, b)]);
-                        sw.peak.max(inner).max(need_s[pairs.at(a, sw.keep - 1)])
+                    let each = costs.sweeps(a, b, p, k).into_iter().map(|sw| {
+                        let inner = need_s[rows.at(sw.keep, b, p, k)];
+                        let last = costs.segment_option(sw.keep - 1, p);
+                        let left = need_s[rows.at(a, sw.keep - 1, p, last)];
+                        sw.peak.max(sw.held.saturating_add(inner)).max(left)
                     });
                     each.min().expect("a sweep")
                 };
@@ -549,7 +700,7 @@ fn min_memory(costs: &Costs) -> u64 {
                 let mut best = enable.min().expect("a block has options");
                 for seg in costs.segments(a, b) {
                     let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
-                    let back = need_s[pairs.at(a, seg.end - 1)];
+                    let back = need_s[rows.at(a, seg.end - 1, seg.profile, seg.option)];
                     best = best.min(seg.forward_peak.max(deep).max(back));
                 }
                 let mut forward = costs.check_peak(a, b);
@@ -573,7 +724,7 @@ fn min_memory(costs: &Costs) -> u64 {
 const LOSS: u32 = 0;
 const ENABLE: u32 = 1 << 31;
 const DROP: u32 = 1 << 30;
-/// A segment ending at `j`: `SEGMENT | j`.
+/// A segment: `SEGMENT | i`, `i` its index in [`Costs::segments`].
 const SEGMENT: u32 = 1 << 29;
 const NONE: u32 = u32::MAX;
 
@@ -591,7 +742,8 @@ struct Table {
     drop_rows: Vec<usize>,
     drop_time: Vec<f64>,
     drop_choice: Vec<u32>,
-    /// `S(m, a, c)`, one row per pair like `T`: the refills' time; choice: the input kept.
+    /// `S_{p,k}(m, a, c)`, one row per [`SweepRows`]: the refills' time; choice: the input kept.
+    sweep_rows: SweepRows,
     sweep_time: Vec<f64>,
     sweep_choice: Vec<u32>,
 }
@@ -599,6 +751,11 @@ struct Table {
 impl Table {
     fn row(&self, a: usize, b: usize) -> std::ops::Range<usize> {
         let start = self.pairs.at(a, b) * self.width;
+        start..start + self.width
+    }
+
+    fn sweep_row(&self, a: usize, c: usize, p: usize, k: usize) -> std::ops::Range<usize> {
+        let start = self.sweep_rows.at(a, c, p, k) * self.width;
         start..start + self.width
     }
 
@@ -621,7 +778,8 @@ impl Table {
                 }
             }
         }
-        let entries = width.saturating_mul(2 * pairs.count() + rows);
+        let sweep_rows = SweepRows::new(costs);
+        let entries = width.saturating_mul(pairs.count() + rows + sweep_rows.count);
         if entries > MAX_TABLE_ENTRIES {
             return Err(Error::Solver(format!(
                 "the DP table for {len} blocks and {capacity} slots has {entries} entries (at most \
@@ -629,6 +787,7 @@ impl Table {
             )));
         }
         let plain = width * pairs.count();
+        let sweeps = width * sweep_rows.count;
         let mut table = Table {
             pairs,
             width,
@@ -637,8 +796,9 @@ impl Table {
             drop_rows,
             drop_time: vec![f64::INFINITY; width * rows],
             drop_choice: vec![NONE; width * rows],
-            sweep_time: vec![f64::INFINITY; plain],
-            sweep_choice: vec![NONE; plain],
+            sweep_rows,
+            sweep_time: vec![f64::INFINITY; sweeps],
+            sweep_choice: vec![NONE; sweeps],
         };
         let mut time = vec![f64::INFINITY; width];
         let mut choice = vec![NONE; width];
@@ -657,9 +817,9 @@ impl Table {
                         table.drop_choice[row].copy_from_slice(&choice);
                     }
                 }
-                if costs.has_sweeps(a, a + d) {
-                    table.sweep_row(costs, a, a + d, &mut time, &mut choice);
-                    let row = table.row(a, a + d);
+                for (p, k) in costs.sweep_kinds(a, a + d) {
+                    table.sweep_row_fill(costs, a, a + d, p, k, &mut time, &mut choice);
+                    let row = table.sweep_row(a, a + d, p, k);
                     table.sweep_time[row.clone()].copy_from_slice(&time);
                     table.sweep_choice[row].copy_from_slice(&choice);
                 }
@@ -682,96 +842,74 @@ impl Table {
         }
         time.fill(f64::INFINITY);
         choice.fill(NONE);
-        let width = self.width;
         for (k, option) in costs.options[a].iter().enumerate() {
             let from = costs.enable_peak(a, k, b) as usize;
-            if from >= width {
-                continue;
-            }
             let tag = ENABLE | k as u32;
             if a == b {
-                improve(&mut time[from..], &mut choice[from..], tag, |_| option.time);
+                improve_from(time, choice, tag, from, option.time, &[]);
             } else {
-                let xbar = costs.xbar(a, k, b) as usize;
-                let rest = &self.time[self.row(a + 1, b)][from - xbar..width - xbar];
-                improve(&mut time[from..], &mut choice[from..], tag, |i| {
-                    option.time + rest[i]
-                });
+                let rest = (&self.time[self.row(a + 1, b)], costs.xbar(a, k, b));
+                improve_from(time, choice, tag, from, option.time, &[rest]);
             }
             if let Some(r) = costs.drops(a, k, b) {
                 let (refill, _) = option.refill.expect("an option that refills");
-                let saved = option.saved as usize;
-                let from = from.max(saved);
-                if from < width {
-                    let rest = &self.drop_time[self.drop_row(a, r, b)][from - saved..width - saved];
-                    improve(&mut time[from..], &mut choice[from..], tag | DROP, |i| {
-                        option.time + refill + rest[i]
-                    });
-                }
+                let rest = (&self.drop_time[self.drop_row(a, r, b)], option.saved);
+                let cost = option.time + refill;
+                improve_from(time, choice, tag | DROP, from, cost, &[rest]);
             }
         }
         if a == b {
             return;
         }
-        for seg in costs.segments(a, b) {
-            let from = seg.forward_peak.max(seg.held) as usize;
-            if from >= width {
-                continue;
-            }
-            let held = seg.held as usize;
-            let later = &self.time[self.row(seg.end, b)][from - held..width - held];
-            let back = &self.sweep_time[self.row(a, seg.end - 1)][from..];
-            let tag = SEGMENT | seg.end as u32;
-            improve(&mut time[from..], &mut choice[from..], tag, |i| {
-                seg.time + later[i] + back[i]
-            });
-        }
         let mut forward = costs.forward_time[a];
         let mut forward_peak = costs.check_peak(a, b);
         for j in costs.checkpoints(a, b) {
-            let x = costs.x[j] as usize;
-            let from = (forward_peak as usize).max(x);
-            if from >= width {
+            if forward_peak as usize >= self.width {
                 break;
             }
-            let later = &self.time[self.row(j, b)][from - x..width - x];
-            let first = &self.time[self.row(a, j - 1)][from..];
-            improve(&mut time[from..], &mut choice[from..], j as u32, |i| {
-                forward + later[i] + first[i]
-            });
+            let later = (&self.time[self.row(j, b)], costs.x[j]);
+            let first = (&self.time[self.row(a, j - 1)], 0);
+            let from = forward_peak as usize;
+            improve_from(time, choice, j as u32, from, forward, &[later, first]);
             if j < b {
                 forward_peak = forward_peak.max(costs.nograd_peak(j, b));
                 forward += costs.forward_time[j];
             }
         }
+        for (index, seg) in costs.segments(a, b).into_iter().enumerate() {
+            let later = (&self.time[self.row(seg.end, b)], seg.held);
+            let sweeps = self.sweep_row(a, seg.end - 1, seg.profile, seg.option);
+            let back = (&self.sweep_time[sweeps], 0);
+            let (tag, from) = (SEGMENT | index as u32, seg.forward_peak as usize);
+            improve_from(time, choice, tag, from, seg.time, &[later, back]);
+        }
     }
 
-    /// `S(m, a, c)` for every `m`, from shorter segments.
-    fn sweep_row(&self, costs: &Costs, a: usize, c: usize, time: &mut [f64], choice: &mut [u32]) {
+    /// `S_{p,k}(m, a, c)` for every `m`, from shorter segments.
+    #[allow(clippy::too_many_arguments)]
+    fn sweep_row_fill(
+        &self,
+        costs: &Costs,
+        a: usize,
+        c: usize,
+        p: usize,
+        k: usize,
+        time: &mut [f64],
+        choice: &mut [u32],
+    ) {
         time.fill(f64::INFINITY);
         choice.fill(NONE);
-        let width = self.width;
         if a == c {
-            let from = costs.backward_peak(a, costs.segment[a].expect("a segment option"));
-            let from = (from as usize).min(width);
-            time[from..].fill(0.0);
-            choice[from..].fill(LOSS);
+            let from = costs.backward_peak(a, k) as usize;
+            improve_from(time, choice, LOSS, from, 0.0, &[]);
             return;
         }
-        for sw in costs.sweeps(a, c) {
-            let from = sw.peak.max(sw.held) as usize;
-            if from >= width {
-                continue;
-            }
-            let held = sw.held as usize;
-            let inner = &self.sweep_time[self.row(sw.keep, c)][from - held..width - held];
-            let left = &self.sweep_time[self.row(a, sw.keep - 1)][from..];
-            improve(
-                &mut time[from..],
-                &mut choice[from..],
-                sw.keep as u32,
-                |i| sw.time + inner[i] + left[i],
-            );
+        for sw in costs.sweeps(a, c, p, k) {
+            let last = costs.segment_option(sw.keep - 1, p);
+            let inner = (&self.sweep_time[self.sweep_row(sw.keep, c, p, k)], sw.held);
+            let left = (&self.sweep_time[self.sweep_row(a, sw.keep - 1, p, last)], 0);
+            let (tag, from) = (sw.keep as u32, sw.peak as usize);
+            improve_from(time, choice, tag, from, sw.time, &[inner, left]);
         }
     }
 
@@ -787,17 +925,10 @@ impl Table {
     ) {
         time.fill(f64::INFINITY);
         choice.fill(NONE);
-        let width = self.width;
         for (k2, option) in costs.options[a + 1].iter().enumerate() {
-            let xbar = costs.xbar(a + 1, k2, b) as usize;
-            let from = (costs.drop_peak(a, r, k2, b) as usize).max(xbar);
-            if from >= width {
-                continue;
-            }
-            let rest = &self.time[self.row(a + 2, b)][from - xbar..width - xbar];
-            improve(&mut time[from..], &mut choice[from..], k2 as u32, |i| {
-                option.time + rest[i]
-            });
+            let rest = (&self.time[self.row(a + 2, b)], costs.xbar(a + 1, k2, b));
+            let from = costs.drop_peak(a, r, k2, b) as usize;
+            improve_from(time, choice, k2 as u32, from, option.time, &[rest]);
         }
     }
 
@@ -813,8 +944,13 @@ impl Table {
             LOSS => ops.push(ChainOp::Loss),
             NONE => unreachable!("rebuilding an infeasible entry"),
             c if c & ENABLE == 0 && c & SEGMENT != 0 => {
-                let end = (c & !SEGMENT) as usize;
-                let option = |i: usize| costs.segment[i].expect("a segment option");
+                let segments = costs.segments(a, b);
+                let seg = &segments[(c & !SEGMENT) as usize];
+                let end = seg.end;
+                let option = |i: usize| match i + 1 == end {
+                    true => seg.option,
+                    false => costs.segment_option(i, seg.profile),
+                };
                 ops.push(ChainOp::ForwardEnable {
                     block: a,
                     option: option(a),
@@ -826,10 +962,8 @@ impl Table {
                     });
                     ops.push(ChainOp::DropOutput { block: i - 1 });
                 }
-                let seg = costs.segments(a, b).into_iter().find(|s| s.end == end);
-                let held = seg.expect("the chosen segment").held as usize;
-                self.rebuild_into(costs, m - held, end, b, ops);
-                self.rebuild_sweep(costs, m, a, end - 1, ops);
+                self.rebuild_into(costs, m - seg.held as usize, end, b, ops);
+                self.rebuild_sweep(costs, m, a, end - 1, (seg.profile, seg.option), ops);
             }
             c if c & ENABLE != 0 => {
                 let option = (c & !(ENABLE | DROP)) as usize;
@@ -860,13 +994,23 @@ impl Table {
 }
 
 impl Table {
-    /// The op sequence of `S(m, a, c)`.
-    fn rebuild_sweep(&self, costs: &Costs, m: usize, a: usize, c: usize, ops: &mut Vec<ChainOp>) {
-        let keep = self.sweep_choice[self.row(a, c).start + m];
+    /// The op sequence of `S_{p,k}(m, a, c)`.
+    fn rebuild_sweep(
+        &self,
+        costs: &Costs,
+        m: usize,
+        a: usize,
+        c: usize,
+        (p, k): (usize, usize),
+        ops: &mut Vec<ChainOp>,
+    ) {
+        let keep = self.sweep_choice[self.sweep_row(a, c, p, k).start + m];
         assert_ne!(keep, NONE, "rebuilding an infeasible entry");
         if a == c {
-            let option = costs.segment[a].expect("a segment option");
-            ops.push(ChainOp::Backward { block: a, option });
+            ops.push(ChainOp::Backward {
+                block: a,
+                option: k,
+            });
             return;
         }
         let keep = keep as usize;
@@ -876,10 +1020,14 @@ impl Table {
                 ops.push(ChainOp::DropOutput { block: l - 1 });
             }
         }
-        let sweep = costs.sweeps(a, c).into_iter().find(|s| s.keep == keep);
+        let sweep = costs
+            .sweeps(a, c, p, k)
+            .into_iter()
+            .find(|s| s.keep == keep);
         let held = sweep.expect("the chosen sweep").held as usize;
-        self.rebuild_sweep(costs, m - held, keep, c, ops);
-        self.rebuild_sweep(costs, m, a, keep - 1, ops);
+        let last = costs.segment_option(keep - 1, p);
+        self.rebuild_sweep(costs, m - held, keep, c, (p, k), ops);
+        self.rebuild_sweep(costs, m, a, keep - 1, (p, last), ops);
     }
 
     /// The op sequence of `D(m, a, b)` of refill peak `r`.
@@ -907,6 +1055,52 @@ impl Table {
             block: a + 1,
             option,
         });
+    }
+}
+
+/// The candidate `cost + Σ row[m - shift]` over `parts` for every memory `m` from `from` (and
+/// from every shift) up, into `time` and `choice` by [`improve`]. Skipped where even its least
+/// value (at the most memory: rows are non-increasing in `m`) cannot beat the best so far.
+fn improve_from(
+    time: &mut [f64],
+    choice: &mut [u32],
+    tag: u32,
+    from: usize,
+    cost: f64,
+    parts: &[(&[f64], u64)],
+) {
+    let width = time.len();
+    let from = parts
+        .iter()
+        .fold(from, |f, &(_, shift)| f.max(shift as usize));
+    if from >= width {
+        return;
+    }
+    let least: f64 = cost
+        + parts
+            .iter()
+            .map(|&(row, s)| row[width - 1 - s as usize])
+            .sum::<f64>();
+    // Where the best so far is at most `least`, the candidate cannot beat it.
+    let end = from + time[from..].partition_point(|&t| t > least);
+    if end == from {
+        return;
+    }
+    fn part((row, shift): (&[f64], u64), from: usize, end: usize) -> &[f64] {
+        &row[from - shift as usize..end - shift as usize]
+    }
+    let (time, choice) = (&mut time[from..end], &mut choice[from..end]);
+    match *parts {
+        [] => improve(time, choice, tag, |_| cost),
+        [p] => {
+            let p = part(p, from, end);
+            improve(time, choice, tag, |i| cost + p[i]);
+        }
+        [p, q] => {
+            let (p, q) = (part(p, from, end), part(q, from, end));
+            improve(time, choice, tag, |i| cost + p[i] + q[i]);
+        }
+        _ => unreachable!("at most two parts"),
     }
 }
 

@@ -19,6 +19,7 @@ pub mod error;
 pub mod expand;
 pub mod graph;
 pub mod ilp;
+pub mod parallel;
 pub mod partition;
 pub mod plan;
 pub mod rockmate;

@@ -103,7 +103,7 @@ impl PlanOptions {
             },
             rotor: self.solver == Solver::Rotor,
             slots: self.slots,
-            probes: 8,
+            probes: 10,
         }
     }
 }

@@ -17,7 +17,6 @@ use crate::schedule::{Schedule, SolverStatus};
 use crate::simplify::{Hold, SimpleGraph};
 use crate::simulate::simulate;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Settings of the hierarchical solvers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,7 +27,7 @@ pub struct HierarchyOptions {
     pub rotor: bool,
     /// Memory slots of the DP.
     pub slots: usize,
-    /// DP solves spent searching the DP's memory limit.
+    /// DP solves spent searching the DP's memory limit (two at a time).
     pub probes: usize,
 }
 
@@ -181,35 +180,7 @@ fn search_classes(
             block::search_options(sub, &options.search)
         }
     };
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(representatives.len());
-    if threads <= 1 {
-        return representatives.iter().map(|&b| search(b)).collect();
-    }
-    let next = AtomicUsize::new(0);
-    let mut found: Vec<(usize, block::Options)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let c = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&b) = representatives.get(c) else {
-                            return mine;
-                        };
-                        mine.push((c, search(b)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
-    found.sort_by_key(|&(c, _)| c);
-    found.into_iter().map(|(_, options)| options).collect()
+    crate::parallel::map(representatives, |&b| search(b))
 }
 
 /// Each option plan with each of its refills (`refill`) or none.
@@ -321,13 +292,14 @@ pub fn plan_blocks(
     let slots = options.slots;
     let (min_limit, plain_limit) = dp::limits(&hierarchy.chain, slots)?;
     let mut best: Option<Schedule> = None;
-    let mut probe = |limit: u64| -> Result<bool> {
-        let Some(schedule) = hierarchy.schedule_at(graph, sg, limit, slots)? else {
-            return Ok(false);
+    // Whether a probe's schedule fits the budget; the fastest one is kept.
+    let mut consider = |schedule: Option<Schedule>| -> bool {
+        let Some(schedule) = schedule else {
+            return false;
         };
         let report = schedule.predicted.expect("simulated");
         if report.peak_bytes > budget {
-            return Ok(false);
+            return false;
         }
         let better = best
             .as_ref()
@@ -335,15 +307,16 @@ pub fn plan_blocks(
         if better {
             best = Some(schedule);
         }
-        Ok(true)
+        true
     };
     // The largest limit whose composed schedule fits (within 0.25%): the DP's model is coarser
     // than the composed schedule (storages spanning several cuts held for the whole step), so
     // that limit may exceed the budget, and fitting is not monotone in the limit. So limits on a
-    // grid from the smallest to plain PyTorch's peak, the same at every budget, are probed, and
-    // the budget itself; then the gap above the largest fitting one is bisected. The grid makes
-    // plans nearly monotone in the budget: a schedule the grid finds for a budget is found for
-    // every budget it fits.
+    // grid from the smallest to plain PyTorch's peak, the same at every budget, are probed (on
+    // all cores), and the budget itself; then the gap above the largest fitting one is cut in
+    // thirds (two probes on all cores) until narrow.
+    // The grid makes plans nearly monotone in the budget: a schedule the grid finds for a budget
+    // is found for every budget it fits.
     let top = plain_limit.max(min_limit);
     let mut scan: Vec<u64> = (0..=SCAN_STEPS)
         .map(|k| min_limit + (top - min_limit) / SCAN_STEPS as u64 * k as u64)
@@ -351,9 +324,12 @@ pub fn plan_blocks(
         .collect();
     scan.sort_unstable();
     scan.dedup();
+    let scanned = crate::parallel::map(&scan, |&limit| {
+        hierarchy.schedule_at(graph, sg, limit, slots)
+    });
     let mut fitting = None;
-    for (k, &limit) in scan.iter().enumerate() {
-        if probe(limit)? {
+    for (k, schedule) in scanned.into_iter().enumerate() {
+        if consider(schedule?) {
             fitting = Some(k);
         }
     }
@@ -361,19 +337,26 @@ pub fn plan_blocks(
         return Ok(best);
     };
     let (mut lo, mut hi) = (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k]));
-    for _ in 0..options.probes {
+    for _ in 0..options.probes / 2 {
         if hi <= lo + (lo / 400).max(1) {
             break;
         }
-        let mid = lo + (hi - lo) / 2;
-        if probe(mid)? {
-            lo = mid;
-        } else {
-            hi = mid;
+        let thirds = [lo + (hi - lo) / 3, lo + (hi - lo) / 3 * 2];
+        let found = crate::parallel::map(&thirds, |&limit| {
+            hierarchy.schedule_at(graph, sg, limit, slots)
+        });
+        let mut fits = [false; 2];
+        for (fit, schedule) in fits.iter_mut().zip(found) {
+            *fit = consider(schedule?);
         }
+        (lo, hi) = match fits {
+            [_, true] => (thirds[1], hi),
+            [true, false] => (thirds[0], thirds[1]),
+            [false, false] => (lo, thirds[0]),
+        };
     }
     if hi > lo {
-        probe(hi)?;
+        consider(hierarchy.schedule_at(graph, sg, hi, slots)?);
     }
     Ok(best)
 }

@@ -192,13 +192,7 @@ fn the_simulator_rejects_invalid_sequences() {
             ChainOp::Loss,
         ],
     ];
-    for ops in bad {
-        assert!(
-            matches!(chain.simulate(&ops), Err(Error::Schedule(_))),
-            "{} was accepted",
-            notation(&ops)
-        );
-    }
+    assert_rejected(&chain, &bad);
 }
 
 /// A free refill of `x_1`: dropping it while blocks 2 and 3 run costs no time, where a chain
@@ -233,13 +227,7 @@ fn a_cheap_refill_replaces_a_recomputation() {
         vec![fe(0), r],
         vec![fe(0), fe(1), d, fe(2), ChainOp::Loss, bw(2), r, r],
     ];
-    for ops in rejected {
-        assert!(
-            matches!(chain.simulate(&ops), Err(Error::Schedule(_))),
-            "{} was accepted",
-            notation(&ops)
-        );
-    }
+    assert_rejected(&chain, &rejected);
 }
 
 /// Free refills on every block: a segment runs every block once with grad, keeps only its first
@@ -264,6 +252,17 @@ fn a_segment_keeps_one_input_and_sweeps_refills() {
     let refills = count(&sequence.ops, |op| matches!(op, ChainOp::Refill { .. }));
     assert!(refills >= 6, "{}", notation(&sequence.ops));
     assert!(notation(&sequence.ops).starts_with("Fe(0) Fe(1) D(0) Fe(2) D(1)"));
+}
+
+/// The simulator refuses each sequence with a schedule error.
+fn assert_rejected(chain: &Chain, sequences: &[Vec<ChainOp>]) {
+    for ops in sequences {
+        assert!(
+            matches!(chain.simulate(ops), Err(Error::Schedule(_))),
+            "{} was accepted",
+            notation(ops)
+        );
+    }
 }
 
 /// `chain` with the blocks `once` run only once.

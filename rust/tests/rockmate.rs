@@ -242,6 +242,24 @@ fn narrow_layers_drop_and_refill_their_outputs() {
     );
 }
 
+/// Narrow layers at a tight budget: the optimum saves the first layer's inner tensor (its
+/// output then refills cheaply) while the second saves nothing, and keeps neither layer's input;
+/// a segment whose blocks run different options finds it.
+#[test]
+fn a_segment_mixes_options_to_reach_the_optimum() {
+    let layer = Layer {
+        a: 600,
+        b: 100,
+        time_a: 6.0,
+        time_b: 5.0,
+    };
+    let g = residual_net(800, &[layer; 3]);
+    let budget = budget_at(&g, 0.2);
+    let best = optimal_time(&g, budget);
+    let time = hierarchy_time(&g, budget).expect("a hierarchical schedule");
+    assert!(time <= best * 1.0001, "hierarchy {time}, optimum {best}");
+}
+
 /// The hierarchy's own schedule (no heuristic fallback) within budget, and its time.
 fn hierarchy_time(g: &Graph, budget: u64) -> Option<f64> {
     let sg = simplify(g);
