@@ -361,7 +361,8 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
     let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();
     let mut status = SolverStatus::Optimal;
     if sub.first_backward < sub.groups.len() {
-        for (budget, saved_limit) in ilp_requests(&family_costs, search) {
+        let requests = ilp_requests(&family_costs, search);
+        let solve = |&(budget, saved_limit): &(u64, Option<u64>)| {
             let fits = |c: &SequenceCost| {
                 c.forward_peak.max(c.backward_peak) <= budget
                     && saved_limit.is_none_or(|l| c.end_forward <= l)
@@ -380,7 +381,10 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
                 saved_limit,
                 max_nodes: Some(search.ilp_max_nodes),
             };
-            match ilp::solve(sub, budget, options, warm) {
+            ilp::solve(sub, budget, options, warm)
+        };
+        for solved in crate::parallel::map(&requests, solve) {
+            match solved {
                 Ok(Some(solution)) => {
                     if solution.status != SolverStatus::Optimal {
                         status = SolverStatus::TimeLimit;

@@ -1091,24 +1091,24 @@ fn improve_from(
     }
     let (time, choice) = (&mut time[from..end], &mut choice[from..end]);
     match *parts {
-        [] => improve(time, choice, tag, |_| cost),
+        [] => improve(time, choice, tag, std::iter::repeat(cost)),
         [p] => {
-            let p = part(p, from, end);
-            improve(time, choice, tag, |i| cost + p[i]);
+            let p = part(p, from, end).iter();
+            improve(time, choice, tag, p.map(|&x| cost + x));
         }
         [p, q] => {
-            let (p, q) = (part(p, from, end), part(q, from, end));
-            improve(time, choice, tag, |i| cost + p[i] + q[i]);
+            let pq = part(p, from, end).iter().zip(part(q, from, end));
+            improve(time, choice, tag, pq.map(|(&x, &y)| cost + x + y));
         }
         _ => unreachable!("at most two parts"),
     }
 }
 
-/// `time[i] = min(time[i], candidate(i))`, recording `tag` where the candidate is strictly less.
+/// `time[i] = min(time[i], candidates[i])`, recording `tag` where the candidate is strictly
+/// less.
 #[inline]
-fn improve(time: &mut [f64], choice: &mut [u32], tag: u32, candidate: impl Fn(usize) -> f64) {
-    for (i, (t, c)) in time.iter_mut().zip(choice.iter_mut()).enumerate() {
-        let value = candidate(i);
+fn improve(time: &mut [f64], choice: &mut [u32], tag: u32, candidates: impl Iterator<Item = f64>) {
+    for ((t, c), value) in time.iter_mut().zip(choice.iter_mut()).zip(candidates) {
         if value < *t {
             *t = value;
             *c = tag;

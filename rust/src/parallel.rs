@@ -5,9 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// `items.map(f)` in order, the items taken by threads one at a time; a panic in `f` resumes on
 /// the caller's thread.
 pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(items.len());
+    let threads = cores().min(items.len());
     if threads <= 1 {
         return items.iter().map(f).collect();
     }
@@ -34,4 +32,9 @@ pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> 
     });
     found.sort_by_key(|&(i, _)| i);
     found.into_iter().map(|(_, r)| r).collect()
+}
+
+/// The cores this process may use.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }

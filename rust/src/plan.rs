@@ -127,28 +127,31 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
     if peak(&store) <= budget {
         return Ok(with_info(store, info(SolverStatus::Optimal)));
     }
-    // The hierarchy (per-block ILPs) needs neither the budget nor the heuristic: build it on a
-    // second thread meanwhile.
+    // The hierarchy's plan (per-block ILPs, then the DP) does not need the heuristic: it runs on
+    // a second thread meanwhile. `None`: no hierarchy (Checkmate's path, which does).
     let hierarchy_options = options.hierarchy();
-    let (fallback, hierarchy) = std::thread::scope(|scope| {
-        let hierarchy = scope.spawn(|| hierarchy_of(graph, &sg, options, &hierarchy_options));
+    let (fallback, hierarchical) = std::thread::scope(|scope| {
+        let hierarchical = scope.spawn(|| {
+            let Some(hierarchy) = hierarchy_of(graph, &sg, options, &hierarchy_options)? else {
+                return Ok(None);
+            };
+            let schedule =
+                rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
+            Ok(Some(schedule.map(|s| (s, hierarchy.status))))
+        });
         let fallback = heuristic(graph, &sg, budget, &store);
-        let hierarchy = hierarchy
+        let hierarchical: Result<_> = hierarchical
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        (fallback, hierarchy)
+        (fallback, hierarchical)
     });
     let Heuristic {
         recompute,
         plan: heuristic_plan,
         schedule: heuristic,
     } = fallback?;
-    let solved = match hierarchy? {
-        Some(hierarchy) => {
-            let schedule =
-                rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
-            schedule.map(|s| (s, hierarchy.status))
-        }
+    let solved = match hierarchical? {
+        Some(solved) => solved,
         None => checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?,
     };
     match solved {

@@ -312,11 +312,11 @@ pub fn plan_blocks(
     // The largest limit whose composed schedule fits (within 0.25%): the DP's model is coarser
     // than the composed schedule (storages spanning several cuts held for the whole step), so
     // that limit may exceed the budget, and fitting is not monotone in the limit. So limits on a
-    // grid from the smallest to plain PyTorch's peak, the same at every budget, are probed (on
-    // all cores), and the budget itself; then the gap above the largest fitting one is cut in
-    // thirds (two probes on all cores) until narrow.
-    // The grid makes plans nearly monotone in the budget: a schedule the grid finds for a budget
-    // is found for every budget it fits.
+    // grid from the smallest to plain PyTorch's peak, the same at every budget, and the budget
+    // itself are probed in order (on all cores) up to the first above the budget that does not
+    // fit; then the gap above the largest fitting one is cut in thirds (two probes on all cores)
+    // until narrow. The grid makes plans nearly monotone in the budget: a schedule the grid
+    // finds for a budget is found for every larger budget it fits.
     let top = plain_limit.max(min_limit);
     let mut scan: Vec<u64> = (0..=SCAN_STEPS)
         .map(|k| min_limit + (top - min_limit) / SCAN_STEPS as u64 * k as u64)
@@ -324,13 +324,19 @@ pub fn plan_blocks(
         .collect();
     scan.sort_unstable();
     scan.dedup();
-    let scanned = crate::parallel::map(&scan, |&limit| {
-        hierarchy.schedule_at(graph, sg, limit, slots)
-    });
     let mut fitting = None;
-    for (k, schedule) in scanned.into_iter().enumerate() {
-        if consider(schedule?) {
-            fitting = Some(k);
+    let cores = crate::parallel::cores();
+    'scan: for (c, chunk) in scan.chunks(cores).enumerate() {
+        let scanned = crate::parallel::map(chunk, |&limit| {
+            hierarchy.schedule_at(graph, sg, limit, slots)
+        });
+        for (i, schedule) in scanned.into_iter().enumerate() {
+            let k = c * cores + i;
+            if consider(schedule?) {
+                fitting = Some(k);
+            } else if scan[k] > budget {
+                break 'scan;
+            }
         }
     }
     let Some(k) = fitting else {
@@ -354,9 +360,6 @@ pub fn plan_blocks(
             [true, false] => (thirds[0], thirds[1]),
             [false, false] => (lo, thirds[0]),
         };
-    }
-    if hi > lo {
-        consider(hierarchy.schedule_at(graph, sg, hi, slots)?);
     }
     Ok(best)
 }
