@@ -317,7 +317,7 @@ proptest! {
 
     /// Residual layers whose inner tensors are at least as large as the hidden state (as in
     /// transformers and CNNs): the hierarchy's schedule is within 25% of the exact whole-graph
-    /// ILP's optimum at 4 budgets (the worst ratio is printed; 1.12 seen over 40 cases).
+    /// ILP's optimum at 4 budgets (the worst ratio is printed; 1.12 seen over 100 cases).
     #[test]
     fn hierarchy_is_close_to_the_optimum_on_wide_layers(kind in layer(), n in 3usize..=5, h in 1u64..=8) {
         let hidden = 100 * h.min(kind.a / 100).min(kind.b / 100);
@@ -326,15 +326,16 @@ proptest! {
         prop_assert!(worst <= 1.25, "hierarchy {worst:.4}x the optimum");
     }
 
-    /// Any residual layers: never faster than the optimum, and at most 1.75 times as slow. The
+    /// Any residual layers: never faster than the optimum, and at most 1.5 times as slow. The
     /// chain model is weakest when a layer's inner tensors are smaller than its output: the
     /// optimum keeps them and recomputes the cheap sums from one stored input, which segments of
-    /// refills express only with the block options that save the right tensors (the worst
-    /// ratio is printed: 1.32 seen over 40 cases; 1.62 with refills alone, 2.4 before).
+    /// refills express only where one profile of block options saves the right tensors (the
+    /// worst ratio is printed: 1.22 seen over 100 cases; 1.32 with one option per block, 1.62
+    /// with refills alone, 2.4 before).
     #[test]
     fn hierarchy_is_bounded_on_narrow_layers(kind in layer(), n in 3usize..=5, hidden in 1u64..=8) {
         let worst = worst_ratio(&residual_net(hidden * 100, &vec![kind; n]))?;
         eprintln!("any layers: worst ratio to the optimum {worst:.4}");
-        prop_assert!(worst <= 1.75, "hierarchy {worst:.4}x the optimum");
+        prop_assert!(worst <= 1.5, "hierarchy {worst:.4}x the optimum");
     }
 }
