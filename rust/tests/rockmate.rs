@@ -20,6 +20,17 @@ struct Layer {
     time_b: f64,
 }
 
+impl Layer {
+    fn new(a: u64, b: u64, time_a: f64, time_b: f64) -> Layer {
+        Layer {
+            a,
+            b,
+            time_a,
+            time_b,
+        }
+    }
+}
+
 /// `layers` residual layers over a hidden state of `hidden` bytes, a loss (a forward output),
 /// and their backward: `gb` reads the saved `a`, `ga` the layer's input `h`, and `gh` sums the
 /// residual gradient; each weight gradient is a grad output. Ops are named by kind, not layer.
@@ -88,13 +99,7 @@ fn layer_ops(hidden: u64, layers: &[Layer]) -> Builder {
 }
 
 fn same_layers(n: usize) -> Vec<Layer> {
-    let layer = Layer {
-        a: 400,
-        b: 300,
-        time_a: 3.0,
-        time_b: 2.0,
-    };
-    vec![layer; n]
+    vec![Layer::new(400, 300, 3.0, 2.0); n]
 }
 
 fn small_blocks() -> PartitionOptions {
@@ -206,13 +211,7 @@ fn rockmate_and_rotor_schedules_replay_within_budget() {
 /// budget.
 #[test]
 fn narrow_layers_drop_and_refill_their_outputs() {
-    let layer = Layer {
-        a: 100,
-        b: 100,
-        time_a: 4.0,
-        time_b: 4.0,
-    };
-    let g = residual_net(800, &[layer; 5]);
+    let g = residual_net(800, &[Layer::new(100, 100, 4.0, 4.0); 5]);
     let sg = simplify(&g);
     let mut options = PlanOptions::default().hierarchy();
     options.partition = small_blocks();
@@ -247,13 +246,7 @@ fn narrow_layers_drop_and_refill_their_outputs() {
 /// a segment whose blocks run different options finds it.
 #[test]
 fn a_segment_mixes_options_to_reach_the_optimum() {
-    let layer = Layer {
-        a: 600,
-        b: 100,
-        time_a: 6.0,
-        time_b: 5.0,
-    };
-    let g = residual_net(800, &[layer; 3]);
+    let g = residual_net(800, &[Layer::new(600, 100, 6.0, 5.0); 3]);
     let budget = budget_at(&g, 0.2);
     let best = optimal_time(&g, budget);
     let time = hierarchy_time(&g, budget).expect("a hierarchical schedule");
@@ -283,12 +276,8 @@ fn optimal_time(g: &Graph, budget: u64) -> f64 {
 }
 
 fn layer() -> impl Strategy<Value = Layer> {
-    (1u64..=8, 1u64..=8, 1u32..=8, 1u32..=8).prop_map(|(a, b, ta, tb)| Layer {
-        a: a * 100,
-        b: b * 100,
-        time_a: f64::from(ta),
-        time_b: f64::from(tb),
-    })
+    (1u64..=8, 1u64..=8, 1u32..=8, 1u32..=8)
+        .prop_map(|(a, b, ta, tb)| Layer::new(a * 100, b * 100, f64::from(ta), f64::from(tb)))
 }
 
 /// The worst ratio of the hierarchy's schedule time to the optimum at 4 budgets. The ILP's
