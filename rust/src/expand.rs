@@ -39,12 +39,14 @@ pub fn schedule_of(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<
     if plan.stages.len() <= sg.first_backward {
         em.end_forward()?;
     }
-    Ok(free_at_last_use(graph, &em.end_backward()?))
+    Ok(free_at_last_use(graph, &em.end_backward()?, false))
 }
 
 /// The node-level schedule running the groups of `forward`, then those of `backward`, in order
 /// (not yet simulated). A group may run again: its previous outputs are dropped first, so every
-/// later read sees the new ones. Each value is freed right after its last use.
+/// later read sees the new ones. Each value is freed right after its last use, and a
+/// recomputation in the backward phase whose outputs nothing reads is left out (a block's output
+/// made again for a backward that reads only the block's input and saved tensors).
 pub fn schedule_of_sequence(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -59,13 +61,14 @@ pub fn schedule_of_sequence(
     for &g in backward {
         em.rerun_group(g)?;
     }
-    Ok(free_at_last_use(graph, &em.end_backward()?))
+    Ok(free_at_last_use(graph, &em.end_backward()?, true))
 }
 
 /// The same computations, each value freed right after its last use (the generated code frees
-/// there too). A plan may keep a storage into a stage that never uses it; this never frees later
-/// than the plan, so memory only falls, and the simulated peak matches what runs.
-pub fn free_at_last_use(graph: &Graph, schedule: &Schedule) -> Schedule {
+/// there too), less (with `prune`) the backward phase's computations whose outputs nothing reads.
+/// A plan may keep a storage into a stage that never uses it; this never frees later than the
+/// plan, so memory only falls, and the simulated peak matches what runs.
+pub fn free_at_last_use(graph: &Graph, schedule: &Schedule, prune: bool) -> Schedule {
     let computes: Vec<(Phase, usize)> = [
         (Phase::Forward, &schedule.forward),
         (Phase::Backward, &schedule.backward),
@@ -87,8 +90,19 @@ pub fn free_at_last_use(graph: &Graph, schedule: &Schedule) -> Schedule {
     // Scanning backwards: `needed[v]` = the instance of `v` alive here is used later.
     let mut needed = vec![false; graph.values().len()];
     let mut frees_after = vec![Vec::new(); computes.len()];
+    let mut dead = vec![false; computes.len()];
     for (i, &(phase, node)) in computes.iter().enumerate().rev() {
         let node = graph.node(node);
+        if prune
+            && phase == Phase::Backward
+            && node
+                .outputs
+                .iter()
+                .all(|&v| !needed[v] && freeable(v, phase))
+        {
+            dead[i] = true;
+            continue;
+        }
         for &v in &node.outputs {
             if !needed[v] && freeable(v, phase) {
                 frees_after[i].push(v);
@@ -103,7 +117,10 @@ pub fn free_at_last_use(graph: &Graph, schedule: &Schedule) -> Schedule {
         }
     }
     let (mut forward, mut backward) = (Vec::new(), Vec::new());
-    for (&(phase, node), frees) in computes.iter().zip(frees_after) {
+    for ((&(phase, node), frees), dead) in computes.iter().zip(frees_after).zip(dead) {
+        if dead {
+            continue;
+        }
         let ops = if phase == Phase::Forward {
             &mut forward
         } else {
