@@ -213,6 +213,25 @@ struct OptionCost {
     refill: Option<(f64, usize)>,
 }
 
+impl OptionCost {
+    /// Memory `Fe` needs beyond what is alive before it, `xbar` its output and saved bytes.
+    fn forward_need(&self, xbar: u64) -> u64 {
+        match self.forward_peak {
+            Some(own) => xbar.max(own),
+            None => xbar + self.forward_temp,
+        }
+    }
+
+    /// Memory `B` needs beyond what is alive besides, with `xbar` and the gradients `δ` it
+    /// reads (`delta_in`) and makes (`delta_out`).
+    fn backward_need(&self, xbar: u64, delta_in: u64, delta_out: u64) -> u64 {
+        match self.backward_peak {
+            Some(own) => (delta_in + xbar).max(own).max(delta_out),
+            None => delta_in + xbar + delta_out + self.backward_temp,
+        }
+    }
+}
+
 /// The chain in memory units (bytes, or slots rounded up), as the recurrence counts it.
 struct Costs {
     len: usize,
@@ -371,16 +390,8 @@ impl Costs {
     fn enable_peak(&self, a: usize, k: usize, b: usize) -> u64 {
         let o = &self.options[a][k];
         let xbar = self.xbar(a, k, b);
-        let forward = self.delta[b + 1]
-            + match o.forward_peak {
-                Some(own) => xbar.max(own),
-                None => xbar + o.forward_temp,
-            };
-        let backward = match o.backward_peak {
-            Some(own) => (self.delta[a + 1] + xbar).max(own).max(self.delta[a]),
-            None => self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp,
-        };
-        forward.max(backward)
+        let forward = self.delta[b + 1] + o.forward_need(xbar);
+        forward.max(o.backward_need(xbar, self.delta[a + 1], self.delta[a]))
     }
 
     /// The refill peak `r` if `T(·, a, b)` may run `D_k(·, a, b)` (`D` of peak `r`) after
@@ -393,11 +404,7 @@ impl Costs {
     /// The memory `B(a, k)` needs, `x_{a+1}` counted and held by the caller.
     fn backward_peak(&self, a: usize, k: usize) -> u64 {
         let o = &self.options[a][k];
-        let xbar = self.x[a + 1] + o.saved;
-        match o.backward_peak {
-            Some(own) => (self.delta[a + 1] + xbar).max(own).max(self.delta[a]),
-            None => self.delta[a + 1] + xbar + self.delta[a] + o.backward_temp,
-        }
+        o.backward_need(self.x[a + 1] + o.saved, self.delta[a + 1], self.delta[a])
     }
 
     /// Block `i`'s option in segment profile `p`.
@@ -418,11 +425,7 @@ impl Costs {
             for i in a..b.min(a + SEGMENT_BLOCKS) {
                 let input = if i > a { self.x[i] } else { 0 };
                 let step = |o: &OptionCost| {
-                    let xbar = self.x[i + 1] + o.saved;
-                    let own = match o.forward_peak {
-                        Some(own) => xbar.max(own),
-                        None => xbar + o.forward_temp,
-                    };
+                    let own = o.forward_need(self.x[i + 1] + o.saved);
                     peak.max(self.delta[b + 1] + saved + input + own)
                 };
                 if i > a && distinct {
@@ -615,8 +618,6 @@ impl Pairs {
 struct SweepRows {
     pairs: Pairs,
     first: Vec<usize>,
-    /// Per block `c`: `K_c` and the position of each option.
-    options: Vec<(usize, Vec<usize>)>,
     count: usize,
 }
 
@@ -633,20 +634,16 @@ impl SweepRows {
                 }
             }
         }
-        let options = (costs.sweep_options.iter().map(Vec::len))
-            .zip(costs.sweep_position.iter().cloned())
-            .collect();
         SweepRows {
             pairs,
             first,
-            options,
             count,
         }
     }
 
-    fn at(&self, a: usize, c: usize, p: usize, k: usize) -> usize {
-        let (options, position) = &self.options[c];
-        self.first[self.pairs.at(a, c)] + p * options + position[k]
+    fn at(&self, costs: &Costs, a: usize, c: usize, (p, k): (usize, usize)) -> usize {
+        let options = costs.sweep_options[c].len();
+        self.first[self.pairs.at(a, c)] + p * options + costs.sweep_position[c][k]
     }
 }
 
@@ -661,13 +658,13 @@ fn min_memory(costs: &Costs) -> u64 {
         for a in 0..=len - d {
             let b = a + d;
             for (p, k) in costs.sweep_kinds(a, b) {
-                need_s[rows.at(a, b, p, k)] = if a == b {
+                need_s[rows.at(costs, a, b, (p, k))] = if a == b {
                     costs.backward_peak(a, k)
                 } else {
                     let each = costs.sweeps(a, b, p, k).into_iter().map(|sw| {
-                        let inner = need_s[rows.at(sw.keep, b, p, k)];
+                        let inner = need_s[rows.at(costs, sw.keep, b, (p, k))];
                         let last = costs.segment_option(sw.keep - 1, p);
-                        let left = need_s[rows.at(a, sw.keep - 1, p, last)];
+                        let left = need_s[rows.at(costs, a, sw.keep - 1, (p, last))];
                         sw.peak.max(sw.held.saturating_add(inner)).max(left)
                     });
                     each.min().expect("a sweep")
@@ -700,7 +697,7 @@ fn min_memory(costs: &Costs) -> u64 {
                 let mut best = enable.min().expect("a block has options");
                 for seg in costs.segments(a, b) {
                     let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
-                    let back = need_s[rows.at(a, seg.end - 1, seg.profile, seg.option)];
+                    let back = need_s[rows.at(costs, a, seg.end - 1, (seg.profile, seg.option))];
                     best = best.min(seg.forward_peak.max(deep).max(back));
                 }
                 let mut forward = costs.check_peak(a, b);
@@ -754,8 +751,14 @@ impl Table {
         start..start + self.width
     }
 
-    fn sweep_row(&self, a: usize, c: usize, p: usize, k: usize) -> std::ops::Range<usize> {
-        let start = self.sweep_rows.at(a, c, p, k) * self.width;
+    fn sweep_row(
+        &self,
+        costs: &Costs,
+        a: usize,
+        c: usize,
+        kind: (usize, usize),
+    ) -> std::ops::Range<usize> {
+        let start = self.sweep_rows.at(costs, a, c, kind) * self.width;
         start..start + self.width
     }
 
@@ -818,8 +821,8 @@ impl Table {
                     }
                 }
                 for (p, k) in costs.sweep_kinds(a, a + d) {
-                    table.sweep_row_fill(costs, a, a + d, p, k, &mut time, &mut choice);
-                    let row = table.sweep_row(a, a + d, p, k);
+                    table.sweep_row_fill(costs, a, a + d, (p, k), &mut time, &mut choice);
+                    let row = table.sweep_row(costs, a, a + d, (p, k));
                     table.sweep_time[row.clone()].copy_from_slice(&time);
                     table.sweep_choice[row].copy_from_slice(&choice);
                 }
@@ -878,7 +881,7 @@ impl Table {
         }
         for (index, seg) in costs.segments(a, b).into_iter().enumerate() {
             let later = (&self.time[self.row(seg.end, b)], seg.held);
-            let sweeps = self.sweep_row(a, seg.end - 1, seg.profile, seg.option);
+            let sweeps = self.sweep_row(costs, a, seg.end - 1, (seg.profile, seg.option));
             let back = (&self.sweep_time[sweeps], 0);
             let (tag, from) = (SEGMENT | index as u32, seg.forward_peak as usize);
             improve_from(time, choice, tag, from, seg.time, &[later, back]);
@@ -886,14 +889,12 @@ impl Table {
     }
 
     /// `S_{p,k}(m, a, c)` for every `m`, from shorter segments.
-    #[allow(clippy::too_many_arguments)]
     fn sweep_row_fill(
         &self,
         costs: &Costs,
         a: usize,
         c: usize,
-        p: usize,
-        k: usize,
+        (p, k): (usize, usize),
         time: &mut [f64],
         choice: &mut [u32],
     ) {
@@ -906,8 +907,14 @@ impl Table {
         }
         for sw in costs.sweeps(a, c, p, k) {
             let last = costs.segment_option(sw.keep - 1, p);
-            let inner = (&self.sweep_time[self.sweep_row(sw.keep, c, p, k)], sw.held);
-            let left = (&self.sweep_time[self.sweep_row(a, sw.keep - 1, p, last)], 0);
+            let inner = (
+                &self.sweep_time[self.sweep_row(costs, sw.keep, c, (p, k))],
+                sw.held,
+            );
+            let left = (
+                &self.sweep_time[self.sweep_row(costs, a, sw.keep - 1, (p, last))],
+                0,
+            );
             let (tag, from) = (sw.keep as u32, sw.peak as usize);
             improve_from(time, choice, tag, from, sw.time, &[inner, left]);
         }
@@ -1004,7 +1011,7 @@ impl Table {
         (p, k): (usize, usize),
         ops: &mut Vec<ChainOp>,
     ) {
-        let keep = self.sweep_choice[self.sweep_row(a, c, p, k).start + m];
+        let keep = self.sweep_choice[self.sweep_row(costs, a, c, (p, k)).start + m];
         assert_ne!(keep, NONE, "rebuilding an infeasible entry");
         if a == c {
             ops.push(ChainOp::Backward {

@@ -324,13 +324,11 @@ pub fn plan_blocks(
         .collect();
     scan.sort_unstable();
     scan.dedup();
+    let probe = |&limit: &u64| hierarchy.schedule_at(graph, sg, limit, slots);
     let mut fitting = None;
     let cores = crate::parallel::cores();
     'scan: for (c, chunk) in scan.chunks(cores).enumerate() {
-        let scanned = crate::parallel::map(chunk, |&limit| {
-            hierarchy.schedule_at(graph, sg, limit, slots)
-        });
-        for (i, schedule) in scanned.into_iter().enumerate() {
+        for (i, schedule) in crate::parallel::map(chunk, probe).into_iter().enumerate() {
             let k = c * cores + i;
             if consider(schedule?) {
                 fitting = Some(k);
@@ -348,11 +346,8 @@ pub fn plan_blocks(
             break;
         }
         let thirds = [lo + (hi - lo) / 3, lo + (hi - lo) / 3 * 2];
-        let found = crate::parallel::map(&thirds, |&limit| {
-            hierarchy.schedule_at(graph, sg, limit, slots)
-        });
         let mut fits = [false; 2];
-        for (fit, schedule) in fits.iter_mut().zip(found) {
+        for (fit, schedule) in fits.iter_mut().zip(crate::parallel::map(&thirds, probe)) {
             *fit = consider(schedule?);
         }
         (lo, hi) = match fits {
