@@ -35,6 +35,7 @@ fn resnet_like(n: usize) -> Chain {
                     forward_peak_bytes: None,
                     backward_peak_bytes: None,
                     refill: None,
+                    leaf: None,
                 }],
                 once: false,
             }

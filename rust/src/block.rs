@@ -240,7 +240,8 @@ pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost
 /// The block's own peaks running `plan` in the chain (Rockmate's option peaks): during the
 /// forward, with its output `x_{b+1}` counted as it appears; during the backward, with the parts
 /// of `δ_{b+1}` it reads until their last read, its output only while its own backward still
-/// reads it, and its gradient `δ_b` as it appears.
+/// reads it (one made in the backward part: from when it is made), and its gradient `δ_b` as it
+/// appears.
 pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
     let sg = &sub.sg;
     let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
@@ -253,11 +254,15 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
     let last_read =
         |reads: &dyn Fn(usize) -> bool| (split..seq.len()).rev().find(|&i| reads(seq[i]));
     for (s, &output) in sub.is_output.iter().enumerate() {
-        if output {
-            match last_read(&|g| sg.uses(g, s)) {
-                Some(i) => context_frees[i] += sub.context_bytes[s],
-                None => dropped_at_start += sub.context_bytes[s],
-            }
+        if !output {
+            continue;
+        }
+        let made_at = seq.iter().position(|&g| sg.groups[g].outputs.contains(&s));
+        match (last_read(&|g| sg.uses(g, s)), made_at) {
+            (Some(i), _) => context_frees[i] += sub.context_bytes[s],
+            (None, Some(i)) if i >= split => context_frees[i] += sub.context_bytes[s],
+            (None, Some(_)) => dropped_at_start += sub.context_bytes[s],
+            (None, None) => {}
         }
     }
     for (bytes, readers) in &sub.incoming {
@@ -290,6 +295,52 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
         }
     }
     (forward_peak, backward_peak)
+}
+
+/// The forward groups of `plan` that its backward reads, directly or not, in order (and those
+/// making storages other blocks read): what the block runs before its backward when it runs
+/// both at once ([`crate::chain::Leaf`]). `None` if that is every forward group.
+pub fn leaf_forward(sub: &SubProblem, plan: &OptionPlan) -> Option<Vec<usize>> {
+    let sg = &sub.sg;
+    let exported = |s: usize| sg.storages[s].hold == Hold::Step && !sub.is_output[s];
+    let mut needed = vec![false; sg.storages.len()];
+    let read = |g: usize, needed: &mut [bool]| {
+        let group = &sg.groups[g];
+        group.outputs.iter().for_each(|&s| needed[s] = false);
+        group.inputs.iter().for_each(|&s| needed[s] = true);
+    };
+    plan.backward
+        .iter()
+        .rev()
+        .for_each(|&g| read(g, &mut needed));
+    let mut kept = Vec::new();
+    for &g in plan.forward.iter().rev() {
+        if sg.groups[g]
+            .outputs
+            .iter()
+            .any(|&s| needed[s] || exported(s))
+        {
+            read(g, &mut needed);
+            kept.push(g);
+        }
+    }
+    if kept.len() == plan.forward.len() {
+        return None;
+    }
+    kept.reverse();
+    Some(kept)
+}
+
+/// The time and own backward peak of `plan` run as a leaf: `forward` (its
+/// [`leaf_forward`]) then its backward, all after `δ_{b+1}` arrives.
+pub fn leaf_cost(sub: &SubProblem, plan: &OptionPlan, forward: &[usize]) -> (f64, u64) {
+    let leaf = OptionPlan {
+        forward: Vec::new(),
+        backward: forward.iter().chain(&plan.backward).copied().collect(),
+    };
+    let times = leaf.backward.iter().map(|&g| sub.sg.groups[g].time);
+    let time = times.fold(0.0, |sum, t| sum + t);
+    (time, own_peaks(sub, &leaf).1)
 }
 
 /// The forward groups of `sub` in order: its run without grad.

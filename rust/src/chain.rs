@@ -10,8 +10,9 @@
 //! This module owns the memory model and its one replay, [`Chain::simulate`]; the DP follows the
 //! same rules (`docs/checkpointable.md`):
 //! - The input `x_0` is never counted (it is the caller's). The output `x_L` and its gradient
-//!   `δ_L` are held by the caller until the step ends: both count for the whole step, and so do
-//!   [`Chain::extra_bytes`] (what the executor keeps, e.g. RNG states).
+//!   `δ_L` are held by the caller until the step ends: `x_L` counts for the whole step, `δ_L`
+//!   from the loss on, and [`Chain::extra_bytes`] (what the executor keeps, e.g. RNG states) for
+//!   the whole step.
 //! - A copy of `x_L` computed after the loss (a recomputation of the last block) counts too.
 //! - Each op allocates its outputs, then peaks with its temporaries on top.
 //! - A [`Block::once`] block runs exactly once, with grad (`Fe`), before the loss.
@@ -57,6 +58,25 @@ pub struct BlockOption {
     /// dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refill: Option<Refill>,
+    /// How `B` runs straight from the input when `x_{i+1}` is not alive
+    /// ([`ChainOp::ForwardBackward`]): the forward ops the backward reads, then the backward;
+    /// `None`: the backward reads the output, or every forward op.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leaf: Option<Leaf>,
+}
+
+/// A block's forward and backward run together after `δ_{i+1}` arrives, from its input alone:
+/// only the forward ops its backward reads run (Rockmate's blocks know them), and its output is
+/// never made (a residual layer's backward reads its branch, not its sum).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Leaf {
+    /// Seconds it takes, forward ops and backward.
+    pub time: f64,
+    /// Its own peak, the parts of `δ_{i+1}` it reads counted until their last read and `δ_i` as
+    /// it appears: it peaks at what is alive besides `δ_{i+1}` plus the largest of this,
+    /// `δ_{i+1}` and `δ_i`.
+    pub peak_bytes: u64,
 }
 
 /// A recomputation of a block's output from its input and the bytes an option saved (Rockmate's
@@ -147,6 +167,10 @@ pub enum ChainOp {
     /// `R(i)`: compute the dropped `x_{i+1}` again from `x_i` and the bytes `Fe(i)` saved.
     #[serde(rename = "refill")]
     Refill { block: usize },
+    /// `FB(i)`: the option's [`Leaf`]: `B(i)` from `x_i` and `δ_{i+1}` alone, running first the
+    /// forward ops the backward reads (`x_{i+1}` is not made).
+    #[serde(rename = "fb")]
+    ForwardBackward { block: usize, option: usize },
 }
 
 impl std::fmt::Display for ChainOp {
@@ -161,6 +185,8 @@ impl std::fmt::Display for ChainOp {
             ChainOp::Backward { block, option } => write!(f, "B({block},{option})"),
             ChainOp::DropOutput { block } => write!(f, "D({block})"),
             ChainOp::Refill { block } => write!(f, "R({block})"),
+            ChainOp::ForwardBackward { block, option: 0 } => write!(f, "FB({block})"),
+            ChainOp::ForwardBackward { block, option } => write!(f, "FB({block},{option})"),
         }
     }
 }
@@ -300,10 +326,10 @@ impl Chain {
                     .iter()
                     .flat_map(|o| [o.forward_time, o.backward_time]),
             );
-            let refills = block
-                .options
-                .iter()
-                .filter_map(|o| o.refill.map(|r| r.time));
+            let refills = block.options.iter().flat_map(|o| {
+                let refill = o.refill.map(|r| r.time);
+                refill.into_iter().chain(o.leaf.map(|l| l.time))
+            });
             for t in times.chain(refills) {
                 if !t.is_finite() || t < 0.0 {
                     return bad(format!(
@@ -366,10 +392,13 @@ impl Chain {
         }
         replay.finish().map_err(Error::Schedule)?;
         let held = self.held_bytes();
+        // `δ_L` arrives at the loss.
+        let forward_peak_bytes = held - self.delta(self.len()) + replay.forward_peak;
+        let backward_peak_bytes = held + replay.backward_peak;
         Ok(ChainReport {
-            peak_bytes: held + replay.forward_peak.max(replay.backward_peak),
-            forward_peak_bytes: held + replay.forward_peak,
-            backward_peak_bytes: held + replay.backward_peak,
+            peak_bytes: forward_peak_bytes.max(backward_peak_bytes),
+            forward_peak_bytes,
+            backward_peak_bytes,
             time: replay.time,
             recomputed_time: replay.recomputed_time,
         })
@@ -561,21 +590,9 @@ impl<'c> Replay<'c> {
                 option: k,
             } => {
                 let option = self.option(i, k)?;
-                if !self.backward {
-                    return Err("a backward before the loss".into());
-                }
-                if self.delta != Some(i + 1) {
-                    return Err(format!(
-                        "it needs the gradient δ_{}, but the gradient held is {:?}",
-                        i + 1,
-                        self.delta.map(|d| format!("δ_{d}"))
-                    ));
-                }
+                self.check_backward(i)?;
                 if self.x[i + 1] != Held::InXbar(k) {
                     return Err(format!("xbar_{} of option {k} is not alive", i + 1));
-                }
-                if !self.x[i].alive() {
-                    return Err(format!("its input x_{i} is not alive"));
                 }
                 let grad = self.delta_bytes(i);
                 match option.backward_peak_bytes {
@@ -598,6 +615,30 @@ impl<'c> Replay<'c> {
                     self.release_x(i);
                 }
                 self.time += option.backward_time;
+            }
+            ChainOp::ForwardBackward {
+                block: i,
+                option: k,
+            } => {
+                let Some(leaf) = self.option(i, k)?.leaf else {
+                    return Err(format!("option {k} of block {i} has no leaf"));
+                };
+                self.check_backward(i)?;
+                if self.x[i + 1] != Held::No {
+                    return Err(format!("x_{} is stored or dropped: FB makes none", i + 1));
+                }
+                if self.block(i)?.once {
+                    return Err(format!("block {i} runs only once, and it ran already"));
+                }
+                let (incoming, grad) = (self.delta_bytes(i + 1), self.delta_bytes(i));
+                let base = self.live - incoming;
+                self.peak(base + leaf.peak_bytes.max(incoming).max(grad));
+                self.live = base + grad;
+                self.delta = Some(i);
+                if self.x[i] == Held::Plain {
+                    self.release_x(i);
+                }
+                self.time += leaf.time;
             }
             ChainOp::DropOutput { block: i } => {
                 self.block(i)?;
@@ -633,6 +674,24 @@ impl<'c> Replay<'c> {
                 self.time += refill.time;
                 self.recomputed_time += refill.time;
             }
+        }
+        Ok(())
+    }
+
+    /// `B(i)` or `FB(i)` may run: after the loss, holding `δ_{i+1}` and `x_i`.
+    fn check_backward(&self, i: usize) -> std::result::Result<(), String> {
+        if !self.backward {
+            return Err("a backward before the loss".into());
+        }
+        if self.delta != Some(i + 1) {
+            return Err(format!(
+                "it needs the gradient δ_{}, but the gradient held is {:?}",
+                i + 1,
+                self.delta.map(|d| format!("δ_{d}"))
+            ));
+        }
+        if !self.x[i].alive() {
+            return Err(format!("its input x_{i} is not alive"));
         }
         Ok(())
     }

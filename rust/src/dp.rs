@@ -9,7 +9,8 @@
 //!   `T(m, a, j-1)`; or
 //! - run block `a` with grad, option `k`: `Fe(a, k)`, then `T(m - xbar_{a+1}(k), a+1, b)`, then
 //!   `B(a, k)`; or, if option `k` can refill its output (`a + 1 < b`), `Fe(a, k)`, then
-//!   `D_k(m - saved(a, k), a, b)`, then `B(a, k)`.
+//!   `D_k(m - saved(a, k), a, b)`, then `B(a, k)`; or, if `a = b` and option `k` has a leaf,
+//!   `FB(a, k)`: the forward ops its backward reads, then the backward, `x_{a+1}` never made.
 //!
 //! `D_k(m, a, b)` runs block `a+1` with grad and drops `x_{a+1}` (counted in `m`) while the
 //! blocks after it run: `Fe(a+1, k')`, `D(a)`, `T(m - xbar_{a+2}(k'), a+2, b)`, `R(a)` (the
@@ -56,8 +57,10 @@ const MAX_TABLE_ENTRIES: usize = 1 << 30;
 
 /// The sequence of least time whose replayed peak is at most `mem_limit` bytes.
 ///
-/// If plain PyTorch's sequence (every block once with grad) fits, it is returned: it is optimal.
-/// Below the smallest feasible limit, [`Error::Infeasible`] names it ([`min_limit`]).
+/// If plain PyTorch's sequence (every block once with grad) fits and no leaf can beat it
+/// ([`plain_is_fastest`]), it is returned: it is optimal. If it fits, it is also returned where
+/// the DP's is no faster or the slots cannot hold the limit. Below the smallest feasible limit,
+/// [`Error::Infeasible`] names it ([`min_limit`]).
 pub fn solve(chain: &Chain, mem_limit: u64, slots: usize) -> Result<ChainSequence> {
     let start = Instant::now();
     check_slots(slots)?;
@@ -70,15 +73,20 @@ pub fn solve(chain: &Chain, mem_limit: u64, slots: usize) -> Result<ChainSequenc
     };
     let plain = chain.plain_ops();
     let plain_report = chain.simulate(&plain)?;
-    if plain_report.peak_bytes <= mem_limit {
-        return Ok(ChainSequence {
-            ops: plain,
+    let plain_fits = plain_report.peak_bytes <= mem_limit;
+    let plain_sequence = || {
+        Ok(ChainSequence {
+            ops: plain.clone(),
             predicted: plain_report,
             solver: Some(info(0)),
-        });
+        })
+    };
+    if plain_fits && plain_is_fastest(chain) {
+        return plain_sequence();
     }
     let grid = match Grid::fitting(chain, mem_limit, slots) {
         Some(grid) => grid,
+        None if plain_fits => return plain_sequence(),
         None => {
             let min = min_limit(chain, slots);
             if min > mem_limit {
@@ -94,6 +102,9 @@ pub fn solve(chain: &Chain, mem_limit: u64, slots: usize) -> Result<ChainSequenc
     let table = Table::fill(&costs, grid.capacity)?;
     let ops = table.rebuild(&costs, grid.capacity);
     let predicted = chain.simulate(&ops)?;
+    if plain_fits && plain_report.time <= predicted.time {
+        return plain_sequence();
+    }
     if predicted.peak_bytes > mem_limit {
         return Err(Error::Solver(format!(
             "the DP's sequence peaks at {} bytes, above the limit of {mem_limit}",
@@ -159,6 +170,18 @@ pub fn limits(chain: &Chain, slots: usize) -> Result<(u64, u64)> {
     Ok((min_limit(chain, slots), plain_peak(chain)))
 }
 
+/// Whether no sequence is faster than plain PyTorch's. A block whose backward runs as a leaf
+/// (`FB`) also ran without grad before the loss (to make its output), so each block costs at
+/// least the lesser of its fastest `Fe` + `B` and its `Fn` plus its fastest leaf: plain PyTorch's
+/// sequence sums the former.
+pub fn plain_is_fastest(chain: &Chain) -> bool {
+    chain.blocks.iter().all(|b| {
+        let fastest = &b.options[crate::chain::fastest_option(b)];
+        let mut leaves = b.options.iter().filter_map(|o| o.leaf);
+        leaves.all(|l| b.forward_time + l.time >= fastest.forward_time + fastest.backward_time)
+    })
+}
+
 fn plain_peak(chain: &Chain) -> u64 {
     let replay = chain.simulate(&chain.plain_ops());
     replay
@@ -211,6 +234,8 @@ struct OptionCost {
     /// [`crate::chain::BlockOption::refill`]: its time and its peak's index in the block's
     /// [`Costs::refill_peaks`] (never for `once` blocks).
     refill: Option<(f64, usize)>,
+    /// [`crate::chain::BlockOption::leaf`]: its time and own peak (never for `once` blocks).
+    leaf: Option<(f64, u64)>,
 }
 
 impl OptionCost {
@@ -241,6 +266,8 @@ struct Costs {
     delta: Vec<u64>,
     /// `x_L` recomputed after the loss: a copy beside the caller's.
     output_copy: u64,
+    /// `δ_L`, rounded down: room for the ops before the loss ([`Costs::forward_held`]).
+    loss_gradient: u64,
     forward_temp: Vec<u64>,
     /// [`crate::chain::Block::forward_peak_bytes`].
     nograd_own_peak: Vec<Option<u64>>,
@@ -308,6 +335,10 @@ impl Costs {
                             let peak = peaks.binary_search(&up(r.peak_bytes));
                             (r.time, peak.expect("a refill peak"))
                         }),
+                        leaf: o
+                            .leaf
+                            .filter(|_| !b.once)
+                            .map(|l| (l.time, up(l.peak_bytes))),
                     })
                     .collect()
             })
@@ -352,6 +383,7 @@ impl Costs {
             x,
             delta,
             output_copy: up(chain.sizes[len]),
+            loss_gradient: chain.delta(len) / unit,
             forward_temp: chain
                 .blocks
                 .iter()
@@ -366,6 +398,17 @@ impl Costs {
             options,
             next_once,
             refill_peaks,
+        }
+    }
+
+    /// Memory a forward op inside `T(·, ·, b)` needs, `need` its own: with `δ_{b+1}` held, or
+    /// before the loss (`b = L`) less `δ_L`, which counts for the whole step but arrives at the
+    /// loss (rounded down, so that a sequence that fits in units fits in bytes).
+    fn forward_held(&self, b: usize, need: u64) -> u64 {
+        if b == self.len {
+            need.saturating_sub(self.loss_gradient)
+        } else {
+            self.delta[b + 1] + need
         }
     }
 
@@ -390,7 +433,7 @@ impl Costs {
     fn enable_peak(&self, a: usize, k: usize, b: usize) -> u64 {
         let o = &self.options[a][k];
         let xbar = self.xbar(a, k, b);
-        let forward = self.delta[b + 1] + o.forward_need(xbar);
+        let forward = self.forward_held(b, o.forward_need(xbar));
         forward.max(o.backward_need(xbar, self.delta[a + 1], self.delta[a]))
     }
 
@@ -405,6 +448,12 @@ impl Costs {
     fn backward_peak(&self, a: usize, k: usize) -> u64 {
         let o = &self.options[a][k];
         o.backward_need(self.x[a + 1] + o.saved, self.delta[a + 1], self.delta[a])
+    }
+
+    /// The memory `FB(a, k)` needs inside `T(·, a, a)`, if option `k` has a leaf.
+    fn leaf_peak(&self, a: usize, k: usize) -> Option<u64> {
+        let (_, own) = self.options[a][k].leaf?;
+        Some(own.max(self.delta[a + 1]).max(self.delta[a]))
     }
 
     /// Block `i`'s option in segment profile `p`.
@@ -426,7 +475,7 @@ impl Costs {
                 let input = if i > a { self.x[i] } else { 0 };
                 let step = |o: &OptionCost| {
                     let own = o.forward_need(self.x[i + 1] + o.saved);
-                    peak.max(self.delta[b + 1] + saved + input + own)
+                    peak.max(self.forward_held(b, saved + input + own))
                 };
                 if i > a && distinct {
                     for &k in &self.last[i] {
@@ -519,12 +568,12 @@ impl Costs {
 
     /// Memory `Fck(a)` needs inside `T(·, a, b)`.
     fn check_peak(&self, a: usize, b: usize) -> u64 {
-        self.delta[b + 1] + self.nograd_own(a)
+        self.forward_held(b, self.nograd_own(a))
     }
 
     /// Memory `Fn(i)` needs inside `T(·, a, b)`.
     fn nograd_peak(&self, i: usize, b: usize) -> u64 {
-        self.delta[b + 1] + self.x[i] + self.nograd_own(i)
+        self.forward_held(b, self.x[i] + self.nograd_own(i))
     }
 }
 
@@ -695,6 +744,10 @@ fn min_memory(costs: &Costs) -> u64 {
                     costs.enable_peak(a, k, b).max(rest)
                 });
                 let mut best = enable.min().expect("a block has options");
+                if a == b {
+                    let leaves = (0..costs.options[a].len()).filter_map(|k| costs.leaf_peak(a, k));
+                    best = leaves.fold(best, u64::min);
+                }
                 for seg in costs.segments(a, b) {
                     let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
                     let back = need_s[rows.at(costs, a, seg.end - 1, (seg.profile, seg.option))];
@@ -723,6 +776,8 @@ const ENABLE: u32 = 1 << 31;
 const DROP: u32 = 1 << 30;
 /// A segment: `SEGMENT | i`, `i` its index in [`Costs::segments`].
 const SEGMENT: u32 = 1 << 29;
+/// With `ENABLE` in `T(m, a, a)`: `FB(a, k)`.
+const LEAF: u32 = 1 << 28;
 const NONE: u32 = u32::MAX;
 
 /// The filled tables `T(m, a, b)` and their choices, for `m` in `0..=capacity`: one row of
@@ -862,6 +917,18 @@ impl Table {
             }
         }
         if a == b {
+            for (k, option) in costs.options[a].iter().enumerate() {
+                if let (Some((leaf, _)), Some(from)) = (option.leaf, costs.leaf_peak(a, k)) {
+                    improve_from(
+                        time,
+                        choice,
+                        ENABLE | LEAF | k as u32,
+                        from as usize,
+                        leaf,
+                        &[],
+                    );
+                }
+            }
             return;
         }
         let mut forward = costs.forward_time[a];
@@ -971,6 +1038,10 @@ impl Table {
                 }
                 self.rebuild_into(costs, m - seg.held as usize, end, b, ops);
                 self.rebuild_sweep(costs, m, a, end - 1, (seg.profile, seg.option), ops);
+            }
+            c if c & ENABLE != 0 && c & LEAF != 0 => {
+                let option = (c & !(ENABLE | LEAF)) as usize;
+                ops.push(ChainOp::ForwardBackward { block: a, option });
             }
             c if c & ENABLE != 0 => {
                 let option = (c & !(ENABLE | DROP)) as usize;

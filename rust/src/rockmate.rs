@@ -7,7 +7,7 @@
 //! limit is searched for the fastest composed schedule whose simulated peak fits the budget.
 
 use crate::block::{self, OptionPlan, OptionSearch, RefillPlan, SubProblem};
-use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Refill};
+use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Leaf, Refill};
 use crate::dp;
 use crate::error::Result;
 use crate::expand::schedule_of_sequence;
@@ -42,6 +42,9 @@ pub struct Hierarchy {
     /// Per class and option: how the block's dropped output is made again (none for rotor's
     /// model). An option plan may appear twice, with each of its [`block::refill_plans`].
     pub refills: Vec<Vec<Option<RefillPlan>>>,
+    /// Per class and option: the forward groups (local) it runs before its backward when run as
+    /// a leaf, `FB` ([`block::leaf_forward`]; none for rotor's model).
+    pub leaves: Vec<Vec<Option<Vec<usize>>>>,
     pub chain: Chain,
     /// Whether every per-block ILP ended optimal.
     pub status: SolverStatus,
@@ -85,13 +88,33 @@ impl Hierarchy {
             .zip(found)
             .map(|(&b, found)| with_refills(&blocks[b], found.plans, !options.rotor))
             .unzip();
-        let chain = chain_of(sg, &partition, &blocks, &class_of, &class_options, &refills)?;
+        let leaves: Vec<Vec<Option<Vec<usize>>>> = representatives
+            .iter()
+            .zip(&class_options)
+            .map(|(&b, plans)| {
+                let leaf = |plan| block::leaf_forward(&blocks[b], plan);
+                plans
+                    .iter()
+                    .map(|p| leaf(p).filter(|_| !options.rotor))
+                    .collect()
+            })
+            .collect();
+        let chain = chain_of(
+            sg,
+            &partition,
+            &blocks,
+            &class_of,
+            &class_options,
+            &refills,
+            &leaves,
+        )?;
         Ok(Hierarchy {
             partition,
             blocks,
             class_of,
             options: class_options,
             refills,
+            leaves,
             chain,
             status,
         })
@@ -124,6 +147,14 @@ impl Hierarchy {
                     let plan = &self.options[self.class_of[block]][option];
                     let groups = &self.blocks[block].groups;
                     target.extend(plan.backward.iter().map(|&l| groups[l]));
+                }
+                ChainOp::ForwardBackward { block, option } => {
+                    let class = self.class_of[block];
+                    let leaf = self.leaves[class][option].as_ref();
+                    let leaf = leaf.expect("a leaf of an option that has one");
+                    let backward = &self.options[class][option].backward;
+                    let groups = &self.blocks[block].groups;
+                    target.extend(leaf.iter().chain(backward).map(|&l| groups[l]));
                 }
                 // The output's storages die at their last read before the refill runs.
                 ChainOp::DropOutput { .. } => {}
@@ -218,6 +249,7 @@ fn chain_of(
     class_of: &[usize],
     class_options: &[Vec<OptionPlan>],
     refills: &[Vec<Option<RefillPlan>>],
+    leaves: &[Vec<Option<Vec<usize>>>],
 ) -> Result<Chain> {
     let chain_blocks = blocks
         .iter()
@@ -229,7 +261,8 @@ fn chain_of(
             let options = class_options[class]
                 .iter()
                 .zip(&refills[class])
-                .map(|(plan, refill)| {
+                .zip(&leaves[class])
+                .map(|((plan, refill), leaf)| {
                     let c = block::cost(&sub.sg, plan, &times);
                     let kept: u64 = refill
                         .iter()
@@ -248,6 +281,10 @@ fn chain_of(
                         refill: refill.as_ref().map(|r| {
                             let (time, peak_bytes) = block::refill_cost(sub, plan, r);
                             Refill { time, peak_bytes }
+                        }),
+                        leaf: leaf.as_ref().map(|forward| {
+                            let (time, peak_bytes) = block::leaf_cost(sub, plan, forward);
+                            Leaf { time, peak_bytes }
                         }),
                     }
                 })
@@ -269,12 +306,15 @@ fn chain_of(
         .filter(|st| st.hold == Hold::Step)
         .map(|st| st.bytes)
         .sum();
+    // The tangents (gradients of the outputs) arrive at the loss: `δ_L`.
+    let mut deltas = partition.deltas.clone();
+    *deltas.last_mut().expect("a chain has cuts") += sg.tangent_bytes;
     Chain::new(
         partition.sizes.clone(),
         chain_blocks,
-        held + sg.tangent_bytes + partition.long_span_bytes,
+        held + partition.long_span_bytes,
     )?
-    .with_deltas(partition.deltas.clone())
+    .with_deltas(deltas)
 }
 
 /// Steps of the grid of limits scanned from the smallest to plain PyTorch's peak.

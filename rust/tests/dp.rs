@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use remat::chain::{
-    notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Refill,
+    notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill,
 };
 use remat::dp::{limits, min_limit, solve, DEFAULT_SLOTS};
 use remat::Error;
@@ -20,6 +20,7 @@ fn option(forward_time: f64, backward_time: f64, saved: u64, temps: (u64, u64)) 
         forward_peak_bytes: None,
         backward_peak_bytes: None,
         refill: None,
+        leaf: None,
     }
 }
 
@@ -117,9 +118,10 @@ fn one_block_and_the_loss() {
     .unwrap();
     let sequence = solved(&chain, 1 << 20);
     assert_eq!(notation(&sequence.ops), "Fe(0) Loss B(0)");
-    // Held: output and its gradient (4 + 4) and 5 extra; B(0): 16 saved + δ_0 (8) + 3 temp.
+    // Held: output and its gradient (4 + 4) and 5 extra; B(0): 16 saved + δ_0 (8) + 3 temp. The
+    // gradient arrives at the loss: the forward does not count it.
     assert_eq!(sequence.predicted.peak_bytes, 13 + 16 + 8 + 3);
-    assert_eq!(sequence.predicted.forward_peak_bytes, 13 + 16 + 2);
+    assert_eq!(sequence.predicted.forward_peak_bytes, 13 - 4 + 16 + 2);
 }
 
 #[test]
@@ -254,6 +256,47 @@ fn a_segment_keeps_one_input_and_sweeps_refills() {
     assert!(notation(&sequence.ops).starts_with("Fe(0) Fe(1) D(0) Fe(2) D(1)"));
 }
 
+/// A leaf on every block (its backward reads only its input, and half its forward): `T(a, a)`
+/// runs that half and the backward, where rotor's leaf runs the whole forward first.
+#[test]
+fn a_leaf_runs_only_the_forward_its_backward_reads() {
+    let mut chain = uniform(4, 10);
+    for b in &mut chain.blocks {
+        b.forward_time = 2.0;
+        b.options[0] = BlockOption {
+            leaf: Some(Leaf {
+                time: 5.0,
+                peak_bytes: 0,
+            }),
+            ..option(2.0, 4.0, 0, (0, 0))
+        };
+    }
+    let (min, _) = limits(&without_leaves(&chain), DEFAULT_SLOTS).unwrap();
+    let sequence = solved(&chain, min);
+    let without = solved(&without_leaves(&chain), min);
+    assert!(sequence.predicted.time < without.predicted.time);
+    assert_eq!(brute_force(&chain, min).unwrap().0, sequence.predicted.time);
+    let fb = |block: usize| ChainOp::ForwardBackward { block, option: 0 };
+    assert_eq!(
+        notation(&sequence.ops),
+        "Fe(0) Fe(1) Fck(2) Fe(3) Loss B(3) FB(2) B(1) B(0)"
+    );
+    // What the simulator refuses: `FB` before the loss, `FB` of a block whose output is stored,
+    // `FB` of an option without a leaf.
+    let stored = vec![
+        fe(0),
+        fe(1),
+        fe(2),
+        fe(3),
+        ChainOp::Loss,
+        bw(3),
+        bw(2),
+        fb(1),
+    ];
+    assert_rejected(&chain, &[vec![fb(0)], stored]);
+    assert_rejected(&without_leaves(&chain), &[sequence.ops]);
+}
+
 /// The simulator refuses each sequence with a schedule error.
 fn assert_rejected(chain: &Chain, sequences: &[Vec<ChainOp>]) {
     for ops in sequences {
@@ -377,7 +420,7 @@ fn gradients_of_their_own_size() {
     let sequence = solved(&chain, 1 << 20);
     // B(0): 16 saved + δ_0 (3) + 3 temp beside what is held.
     assert_eq!(sequence.predicted.peak_bytes, 15 + 16 + 3 + 3);
-    assert_eq!(sequence.predicted.forward_peak_bytes, 15 + 16 + 2);
+    assert_eq!(sequence.predicted.forward_peak_bytes, 15 - 6 + 16 + 2);
     assert_eq!(Chain::from_json(&chain.to_json()).unwrap(), chain);
     let same = chain.with_deltas(Vec::new()).unwrap();
     assert_eq!(same.held_bytes(), 4 + 4 + 5);
@@ -500,10 +543,20 @@ impl Search<'_> {
         live
     }
 
+    /// The capacity, and before the loss `δ_L` too: it counts for the whole step but arrives at
+    /// the loss.
+    fn room(&self, s: &State) -> u64 {
+        match s.backward {
+            true => self.capacity,
+            false => self.capacity + self.chain.delta(self.chain.len()),
+        }
+    }
+
     /// Every op that can run from `s` within the capacity: (next state, time, op).
     fn moves(&self, s: &State) -> Vec<(State, f64, ChainOp)> {
         let len = self.chain.len();
         let live = self.live(s);
+        let room = self.room(s);
         let mut out = Vec::new();
         let made = |mut next: State, i: usize, value: u8| {
             next.x[i + 1] = value;
@@ -518,6 +571,7 @@ impl Search<'_> {
         for i in 0..len {
             let b = &self.chain.blocks[i];
             self.drops_and_refills(s, i, live, &mut out);
+            self.leaves(s, i, live, &mut out);
             if alive(s.x[i]) && s.x[i + 1] == ABSENT {
                 let mut next = made(s.clone(), i, PLAIN);
                 let out_bytes = self.x_bytes(&next, i + 1);
@@ -525,7 +579,7 @@ impl Search<'_> {
                     Some(own) => out_bytes.max(own),
                     None => out_bytes + b.forward_temp_bytes,
                 };
-                let fits = live + need <= self.capacity;
+                let fits = live + need <= room;
                 if fits && !b.once {
                     let time = b.forward_time;
                     if i > 0 && s.x[i] == PLAIN {
@@ -550,7 +604,7 @@ impl Search<'_> {
                         Some(own) => grow.max(own),
                         None => grow + o.forward_temp_bytes,
                     };
-                    if live + need <= self.capacity {
+                    if live + need <= room {
                         let op = ChainOp::ForwardEnable {
                             block: i,
                             option: k,
@@ -621,10 +675,35 @@ impl Search<'_> {
         if x >= DROPPED && alive(s.x[i]) {
             let refill = b.options[(x - DROPPED) as usize].refill.unwrap();
             let size = self.chain.sizes[i + 1];
-            if live + size.max(refill.peak_bytes) <= self.capacity {
+            if live + size.max(refill.peak_bytes) <= self.room(s) {
                 let mut next = s.clone();
                 next.x[i + 1] = x - DROPPED + XBAR;
                 out.push((next, refill.time, ChainOp::Refill { block: i }));
+            }
+        }
+    }
+
+    /// `FB(i, k)` of an option with a leaf, holding `δ_{i+1}` and `x_i` but not `x_{i+1}`.
+    fn leaves(&self, s: &State, i: usize, live: u64, out: &mut Vec<(State, f64, ChainOp)>) {
+        let b = &self.chain.blocks[i];
+        let ready = s.backward && s.delta as usize == i + 1 && alive(s.x[i]);
+        if !ready || s.x[i + 1] != ABSENT || b.once {
+            return;
+        }
+        let (incoming, grad) = (self.delta_bytes(i + 1), self.delta_bytes(i));
+        for (k, o) in b.options.iter().enumerate() {
+            let Some(leaf) = o.leaf else { continue };
+            if live - incoming + leaf.peak_bytes.max(incoming).max(grad) <= self.capacity {
+                let mut next = s.clone();
+                if i > 0 && s.x[i] < XBAR {
+                    next.x[i] = ABSENT;
+                }
+                next.delta = i as u8;
+                let op = ChainOp::ForwardBackward {
+                    block: i,
+                    option: k,
+                };
+                out.push((next, leaf.time, op));
             }
         }
     }
@@ -686,15 +765,22 @@ fn arb_own_peak(own_peaks: bool) -> BoxedStrategy<Option<u64>> {
     }
 }
 
+/// Options with a leaf a quarter of the time (a time of 1 to 8 and a peak of 0 to 11).
 fn arb_option(own_peaks: bool) -> impl Strategy<Value = BlockOption> {
+    let leaf = (1..9u32, 0..12u64).prop_map(|(t, p)| Leaf {
+        time: f64::from(t),
+        peak_bytes: p,
+    });
     (
         (1..6u32, 1..6u32, 0..8u64, 0..3u64, 0..3u64),
         arb_own_peak(own_peaks),
         arb_own_peak(own_peaks),
+        prop::option::weighted(0.25, leaf),
     )
-        .prop_map(|((f, b, s, ft, bt), fp, bp)| BlockOption {
+        .prop_map(|((f, b, s, ft, bt), fp, bp, leaf)| BlockOption {
             forward_peak_bytes: fp,
             backward_peak_bytes: bp,
+            leaf,
             ..option(f as f64, b as f64, s, (ft, bt))
         })
 }
@@ -758,6 +844,14 @@ fn without_refills(chain: &Chain) -> Chain {
     let mut chain = chain.clone();
     let options = chain.blocks.iter_mut().flat_map(|b| b.options.iter_mut());
     options.for_each(|o| o.refill = None);
+    chain
+}
+
+/// `chain` without its leaves.
+fn without_leaves(chain: &Chain) -> Chain {
+    let mut chain = chain.clone();
+    let options = chain.blocks.iter_mut().flat_map(|b| b.options.iter_mut());
+    options.for_each(|o| o.leaf = None);
     chain
 }
 
