@@ -36,6 +36,7 @@ fn resnet_like(n: usize) -> Chain {
                     backward_peak_bytes: None,
                     refill: None,
                     leaf: None,
+                    split: None,
                 }],
                 once: false,
             }

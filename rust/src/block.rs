@@ -34,6 +34,8 @@ pub struct SubProblem {
     pub is_output: Vec<bool>,
     /// The parts of `δ_{b+1}` its backward reads: bytes and local readers.
     pub incoming: Vec<(u64, Vec<usize>)>,
+    /// Per local group: it reads the block's input `x_b`.
+    pub reads_input: Vec<bool>,
 }
 
 /// The sub-problem of block `b`.
@@ -130,6 +132,16 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
             }
         }
     }
+    let reads_input = groups
+        .iter()
+        .map(|&g| {
+            sg.groups[g].inputs.iter().any(|&s| {
+                let st = &sg.storages[s];
+                let input = part.span[s] == (b.wrapping_sub(1), b) && st.hold == Hold::Planned;
+                input && st.producer < sg.first_backward && !local_storage.contains_key(&s)
+            })
+        })
+        .collect();
     let mut incoming: Vec<(usize, (u64, Vec<usize>))> = incoming.into_iter().collect();
     incoming.sort_unstable_by_key(|(s, _)| *s);
     let sub = SimpleGraph::from_parts(local_groups, storages, 0);
@@ -141,6 +153,7 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
         context_bytes,
         is_output,
         incoming: incoming.into_iter().map(|(_, v)| v).collect(),
+        reads_input,
     }
 }
 
@@ -243,6 +256,22 @@ pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost
 /// reads it (one made in the backward part: from when it is made), and its gradient `δ_b` as it
 /// appears.
 pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
+    let profile = own_profile(sub, plan);
+    let backward = profile.peaks.iter().fold(profile.start, |a, &b| a.max(b));
+    (profile.forward_peak, backward)
+}
+
+/// The block's own memory running `plan` ([`own_peaks`]), per position of its backward part.
+struct OwnProfile {
+    forward_peak: u64,
+    /// Alive as the backward part starts.
+    start: u64,
+    /// Per backward position: the peak there, and what stays alive after it.
+    peaks: Vec<u64>,
+    after: Vec<u64>,
+}
+
+fn own_profile(sub: &SubProblem, plan: &OptionPlan) -> OwnProfile {
     let sg = &sub.sg;
     let seq: Vec<usize> = plan.forward.iter().chain(&plan.backward).copied().collect();
     let split = plan.forward.len();
@@ -274,12 +303,13 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
         let outputs = sg.groups[g].outputs.iter();
         outputs.map(|&s| sub.context_bytes[s]).sum()
     };
-    let (mut live, mut forward_peak, mut backward_peak) = (0u64, 0u64, 0u64);
+    let (mut live, mut forward_peak, mut start) = (0u64, 0u64, 0u64);
+    let (mut peaks, mut after) = (Vec::new(), Vec::new());
     for (i, &g) in seq.iter().enumerate() {
         if i == split {
             live -= dropped_at_start;
             live += sub.incoming.iter().map(|(bytes, _)| bytes).sum::<u64>();
-            backward_peak = live;
+            start = live;
         }
         live += made(g);
         let peak = live + sg.groups[g].temp_bytes;
@@ -290,11 +320,37 @@ pub fn own_peaks(sub: &SubProblem, plan: &OptionPlan) -> (u64, u64) {
         if i < split {
             forward_peak = forward_peak.max(peak);
         } else {
-            backward_peak = backward_peak.max(peak);
             live -= context_frees[i];
+            peaks.push(peak);
+            after.push(live);
         }
     }
-    (forward_peak, backward_peak)
+    OwnProfile {
+        forward_peak,
+        start,
+        peaks,
+        after,
+    }
+}
+
+/// Where `plan`'s backward first reads the block's input: the cut of a [`crate::chain::Split`];
+/// `None` if that is its first group.
+pub fn split_at(sub: &SubProblem, plan: &OptionPlan) -> Option<usize> {
+    let reads = plan.backward.iter().position(|&g| sub.reads_input[g]);
+    let at = reads.unwrap_or(plan.backward.len());
+    (at > 0).then_some(at)
+}
+
+/// `plan`'s backward cut at `at` ([`split_at`]): the first part's time and own peak, the
+/// block's bytes alive between the parts, and the second part's own peak.
+pub fn split_cost(sub: &SubProblem, plan: &OptionPlan, at: usize) -> (f64, u64, u64, u64) {
+    let profile = own_profile(sub, plan);
+    let most = |peaks: &[u64], from: u64| peaks.iter().fold(from, |a, &b| a.max(b));
+    let between = profile.after[at - 1];
+    let times = plan.backward[..at].iter().map(|&g| sub.sg.groups[g].time);
+    let first = most(&profile.peaks[..at], profile.start);
+    let second = most(&profile.peaks[at..], between);
+    (times.fold(0.0, |sum, t| sum + t), first, between, second)
 }
 
 /// The forward groups of `plan` that its backward reads, directly or not, in order (and those

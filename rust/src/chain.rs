@@ -63,6 +63,25 @@ pub struct BlockOption {
     /// `None`: the backward reads the output, or every forward op.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leaf: Option<Leaf>,
+    /// How `B` runs in two parts, the first not reading `x_i`, so that a dropped `x_i` is made
+    /// again between them ([`ChainOp::BackwardFirst`]); `None`: its first op reads `x_i`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<Split>,
+}
+
+/// A block's backward cut before its first read of the input `x_i` (Rockmate's blocks know
+/// where that is): a residual layer's backward first goes through its branch's saved tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Split {
+    /// Seconds of the first part (the second takes the rest of `backward_time`).
+    pub time: f64,
+    /// The first part's own peak, `δ_{i+1}` and `xbar_{i+1}` counted while alive.
+    pub first_peak_bytes: u64,
+    /// The block's bytes alive between the parts (gradients in flight, saved bytes still read).
+    pub between_bytes: u64,
+    /// The second part's own peak, `between_bytes` counted while alive and `δ_i` as it appears.
+    pub second_peak_bytes: u64,
 }
 
 /// A block's forward and backward run together after `δ_{i+1}` arrives, from its input alone:
@@ -171,6 +190,10 @@ pub enum ChainOp {
     /// forward ops the backward reads (`x_{i+1}` is not made).
     #[serde(rename = "fb")]
     ForwardBackward { block: usize, option: usize },
+    /// `B1(i)`: the first part of `B(i)` by the option's [`Split`], which needs `δ_{i+1}` and
+    /// `xbar_{i+1}` but not `x_i`; the next `B(i)` runs the second part.
+    #[serde(rename = "b1")]
+    BackwardFirst { block: usize, option: usize },
 }
 
 impl std::fmt::Display for ChainOp {
@@ -187,6 +210,8 @@ impl std::fmt::Display for ChainOp {
             ChainOp::Refill { block } => write!(f, "R({block})"),
             ChainOp::ForwardBackward { block, option: 0 } => write!(f, "FB({block})"),
             ChainOp::ForwardBackward { block, option } => write!(f, "FB({block},{option})"),
+            ChainOp::BackwardFirst { block, option: 0 } => write!(f, "B1({block})"),
+            ChainOp::BackwardFirst { block, option } => write!(f, "B1({block},{option})"),
         }
     }
 }
@@ -328,7 +353,11 @@ impl Chain {
             );
             let refills = block.options.iter().flat_map(|o| {
                 let refill = o.refill.map(|r| r.time);
-                refill.into_iter().chain(o.leaf.map(|l| l.time))
+                let leaf = o.leaf.map(|l| l.time);
+                refill
+                    .into_iter()
+                    .chain(leaf)
+                    .chain(o.split.map(|s| s.time))
             });
             for t in times.chain(refills) {
                 if !t.is_finite() || t < 0.0 {
@@ -441,6 +470,8 @@ struct Replay<'c> {
     delta: Option<usize>,
     /// Whether block `i` ran with grad (`Fe`) already: a [`Block::once`] block runs once.
     enabled: Vec<bool>,
+    /// The block whose backward ran its first part (`B1`) only.
+    split: Option<usize>,
     backward: bool,
     live: u64,
     forward_peak: u64,
@@ -459,6 +490,7 @@ impl<'c> Replay<'c> {
             x_bytes: vec![0; chain.len() + 1],
             delta: None,
             enabled: vec![false; chain.len()],
+            split: None,
             backward: false,
             live: 0,
             forward_peak: 0,
@@ -595,6 +627,21 @@ impl<'c> Replay<'c> {
                     return Err(format!("xbar_{} of option {k} is not alive", i + 1));
                 }
                 let grad = self.delta_bytes(i);
+                if self.split == Some(i) {
+                    let split = option.split.expect("split by its option");
+                    let base = self.live - split.between_bytes;
+                    let own = split.second_peak_bytes.max(split.between_bytes);
+                    self.peak(base + own.max(grad));
+                    self.live = base + grad;
+                    self.split = None;
+                    self.release_x(i + 1);
+                    self.delta = Some(i);
+                    if self.x[i] == Held::Plain {
+                        self.release_x(i);
+                    }
+                    self.time += (option.backward_time - split.time).max(0.0);
+                    return Ok(());
+                }
                 match option.backward_peak_bytes {
                     Some(own) => {
                         let mine =
@@ -640,6 +687,29 @@ impl<'c> Replay<'c> {
                 }
                 self.time += leaf.time;
             }
+            ChainOp::BackwardFirst {
+                block: i,
+                option: k,
+            } => {
+                let option = self.option(i, k)?;
+                let Some(split) = option.split else {
+                    return Err(format!("option {k} of block {i} has no split"));
+                };
+                self.check_gradient(i)?;
+                if self.split.is_some() {
+                    return Err(format!("the backward of block {i} is split already"));
+                }
+                if self.x[i + 1] != Held::InXbar(k) {
+                    return Err(format!("xbar_{} of option {k} is not alive", i + 1));
+                }
+                let mine = self.delta_bytes(i + 1) + option.saved_bytes + self.x_bytes[i + 1];
+                let base = self.live - mine;
+                self.peak(base + split.first_peak_bytes.max(mine));
+                self.live = base + split.between_bytes;
+                self.x_bytes[i + 1] = 0;
+                self.split = Some(i);
+                self.time += split.time;
+            }
             ChainOp::DropOutput { block: i } => {
                 self.block(i)?;
                 let Held::InXbar(k) = self.x[i + 1] else {
@@ -680,6 +750,15 @@ impl<'c> Replay<'c> {
 
     /// `B(i)` or `FB(i)` may run: after the loss, holding `δ_{i+1}` and `x_i`.
     fn check_backward(&self, i: usize) -> std::result::Result<(), String> {
+        self.check_gradient(i)?;
+        if !self.x[i].alive() {
+            return Err(format!("its input x_{i} is not alive"));
+        }
+        Ok(())
+    }
+
+    /// A backward of block `i` may run: after the loss, holding `δ_{i+1}`.
+    fn check_gradient(&self, i: usize) -> std::result::Result<(), String> {
         if !self.backward {
             return Err("a backward before the loss".into());
         }
@@ -689,9 +768,6 @@ impl<'c> Replay<'c> {
                 i + 1,
                 self.delta.map(|d| format!("δ_{d}"))
             ));
-        }
-        if !self.x[i].alive() {
-            return Err(format!("its input x_{i} is not alive"));
         }
         Ok(())
     }

@@ -17,7 +17,9 @@
 //! refill of option `k`), `B(a+1, k')`. A cheap output made from small saved tensors (a residual
 //! sum) then costs no memory while the rest of the chain runs. Drops alternate: under `D_k` the
 //! next input is held (`T`), as its refill would need `x_{a+1}`. `D_k` depends on `k` through
-//! the refill's time (added) and peak: one table per distinct peak of block `a`'s refills.
+//! the refill's time (added) and peak: one table per distinct peak of block `a`'s refills. If
+//! option `k'` splits its backward and that needs less memory, `B1(a+1, k')` (the part before
+//! its first read of `x_{a+1}`) runs before `R(a)`.
 //!
 //! Or a *segment* of at most [`SEGMENT_BLOCKS`] blocks in a *profile* `p`: `Fe(a) Fe(a+1) D(a)
 //! … Fe(j-1) D(j-2)`, each block but the last with its `p`-th segment option (one that refills;
@@ -36,8 +38,8 @@
 //! has its `B`), and a `once` block before the loss: sub-chains after the loss (`T(m, a, j-1)`
 //! of a checkpoint) have no `once` block.
 //!
-//! Memory is discretized into `slots` slots of `ceil(avail / slots)` bytes, sizes rounded *up*,
-//! so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
+//! Memory is discretized into `slots` to `2 · slots` slots of a power of two bytes (the largest
+//! giving at least `slots`), sizes rounded *up*, so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
 //! bytes. Tables are dense and filled iteratively, by sub-chain length: `O(slots · L²)` memory
 //! and `O(slots · L³)` time.
 
@@ -197,7 +199,9 @@ pub(crate) fn check_slots(slots: usize) -> Result<()> {
 }
 
 /// The discretization of a limit: `capacity` slots of `unit` bytes for what the caller does not
-/// hold for the whole step.
+/// hold for the whole step. The unit is the largest power of two that gives at least `slots`
+/// slots (so at most twice as many): tensor sizes are multiples of powers of two (element sizes,
+/// shapes, the allocator's granularity), and round up to such units with little or no loss.
 struct Grid {
     unit: u64,
     capacity: usize,
@@ -206,7 +210,8 @@ struct Grid {
 impl Grid {
     fn new(chain: &Chain, mem_limit: u64, slots: usize) -> Option<Grid> {
         let avail = mem_limit.checked_sub(chain.held_bytes())?;
-        let unit = avail.div_ceil(slots as u64).max(1);
+        let even = avail.div_ceil(slots as u64).max(1);
+        let unit = 1 << (u64::BITS - 1 - even.leading_zeros());
         Some(Grid {
             unit,
             capacity: (avail / unit) as usize,
@@ -236,6 +241,9 @@ struct OptionCost {
     refill: Option<(f64, usize)>,
     /// [`crate::chain::BlockOption::leaf`]: its time and own peak (never for `once` blocks).
     leaf: Option<(f64, u64)>,
+    /// [`crate::chain::BlockOption::split`]: the first part's own peak, the bytes between the
+    /// parts and the second part's own peak.
+    split: Option<(u64, u64, u64)>,
 }
 
 impl OptionCost {
@@ -339,6 +347,10 @@ impl Costs {
                             .leaf
                             .filter(|_| !b.once)
                             .map(|l| (l.time, up(l.peak_bytes))),
+                        split: o.split.map(|s| {
+                            let bytes = [s.first_peak_bytes, s.between_bytes, s.second_peak_bytes];
+                            (up(bytes[0]), up(bytes[1]), up(bytes[2]))
+                        }),
                     })
                     .collect()
             })
@@ -550,12 +562,30 @@ impl Costs {
 
     /// Memory `D(·, a, b)` needs with refill peak `r` of block `a` and option `k'` of block
     /// `a+1`, beyond `T(·, a+2, b)`'s (`xbar_{a+2}(k')` + that): `Fe(a+1, k')` and `B(a+1, k')`
-    /// with `x_{a+1}`, and the refill while `xbar_{a+2}(k')` and `δ_{a+2}` are held.
-    fn drop_peak(&self, a: usize, r: usize, k2: usize, b: usize) -> u64 {
+    /// with `x_{a+1}`, and the refill while `xbar_{a+2}(k')` and `δ_{a+2}` are held; or, if
+    /// option `k'` splits its backward and that needs less, `B1(a+1, k')` without `x_{a+1}`,
+    /// then the refill while what is between the parts is held, then the second part (`true`).
+    fn drop_peak(&self, a: usize, r: usize, k2: usize, b: usize) -> (u64, bool) {
         let refill = self.refill_peaks[a][r];
         let x = self.x[a + 1];
-        let held = self.xbar(a + 1, k2, b) + self.delta[a + 2];
-        (x + self.enable_peak(a + 1, k2, b)).max(held + x.max(refill))
+        let xbar = self.xbar(a + 1, k2, b);
+        let held = xbar + self.delta[a + 2];
+        let whole = (x + self.enable_peak(a + 1, k2, b)).max(held + x.max(refill));
+        let o = &self.options[a + 1][k2];
+        let Some((first, between, second)) = o.split else {
+            return (whole, false);
+        };
+        let forward = x + self.forward_held(b, o.forward_need(xbar));
+        let second = x + second.max(between).max(self.delta[a + 1]);
+        let split = forward
+            .max(first.max(held))
+            .max(between + x.max(refill))
+            .max(second);
+        if split < whole {
+            (split, true)
+        } else {
+            (whole, false)
+        }
     }
 
     /// Memory block `i` needs running without grad, beyond what is alive before it.
@@ -727,7 +757,7 @@ fn min_memory(costs: &Costs) -> u64 {
                     let options = 0..costs.options[a + 1].len();
                     let each = options.map(|k2| {
                         let rest = costs.xbar(a + 1, k2, b).saturating_add(later);
-                        costs.drop_peak(a, r, k2, b).max(rest)
+                        costs.drop_peak(a, r, k2, b).0.max(rest)
                     });
                     each.min().expect("a block has options")
                 };
@@ -1001,7 +1031,7 @@ impl Table {
         choice.fill(NONE);
         for (k2, option) in costs.options[a + 1].iter().enumerate() {
             let rest = (&self.time[self.row(a + 2, b)], costs.xbar(a + 1, k2, b));
-            let from = costs.drop_peak(a, r, k2, b) as usize;
+            let from = costs.drop_peak(a, r, k2, b).0 as usize;
             improve_from(time, choice, k2 as u32, from, option.time, &[rest]);
         }
     }
@@ -1128,6 +1158,12 @@ impl Table {
         ops.push(ChainOp::DropOutput { block: a });
         let xbar = costs.xbar(a + 1, option, b) as usize;
         self.rebuild_into(costs, m - xbar, a + 2, b, ops);
+        if costs.drop_peak(a, r, option, b).1 {
+            ops.push(ChainOp::BackwardFirst {
+                block: a + 1,
+                option,
+            });
+        }
         ops.push(ChainOp::Refill { block: a });
         ops.push(ChainOp::Backward {
             block: a + 1,

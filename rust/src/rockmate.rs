@@ -7,7 +7,7 @@
 //! limit is searched for the fastest composed schedule whose simulated peak fits the budget.
 
 use crate::block::{self, OptionPlan, OptionSearch, RefillPlan, SubProblem};
-use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Leaf, Refill};
+use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Leaf, Refill, Split};
 use crate::dp;
 use crate::error::Result;
 use crate::expand::schedule_of_sequence;
@@ -131,6 +131,8 @@ impl Hierarchy {
         let mut target = &mut forward;
         // Per block: the option of its last `Fe`, whose refill `R` runs.
         let mut enabled = vec![0; self.blocks.len()];
+        // Per block: where its backward's first part (`B1`) stopped.
+        let mut split = vec![0; self.blocks.len()];
         for op in &sequence.ops {
             match *op {
                 ChainOp::ForwardNoGrad { block } | ChainOp::ForwardCheck { block } => {
@@ -146,7 +148,15 @@ impl Hierarchy {
                 ChainOp::Backward { block, option } => {
                     let plan = &self.options[self.class_of[block]][option];
                     let groups = &self.blocks[block].groups;
-                    target.extend(plan.backward.iter().map(|&l| groups[l]));
+                    let rest = &plan.backward[std::mem::take(&mut split[block])..];
+                    target.extend(rest.iter().map(|&l| groups[l]));
+                }
+                ChainOp::BackwardFirst { block, option } => {
+                    let plan = &self.options[self.class_of[block]][option];
+                    let sub = &self.blocks[block];
+                    split[block] = block::split_at(sub, plan).expect("an option that splits");
+                    let first = &plan.backward[..split[block]];
+                    target.extend(first.iter().map(|&l| sub.groups[l]));
                 }
                 ChainOp::ForwardBackward { block, option } => {
                     let class = self.class_of[block];
@@ -285,6 +295,15 @@ fn chain_of(
                         leaf: leaf.as_ref().map(|forward| {
                             let (time, peak_bytes) = block::leaf_cost(sub, plan, forward);
                             Leaf { time, peak_bytes }
+                        }),
+                        split: block::split_at(sub, plan).map(|at| {
+                            let (time, first, between, second) = block::split_cost(sub, plan, at);
+                            Split {
+                                time,
+                                first_peak_bytes: first,
+                                between_bytes: between,
+                                second_peak_bytes: second,
+                            }
                         }),
                     }
                 })

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use remat::chain::{
-    notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill,
+    notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill, Split,
 };
 use remat::dp::{limits, min_limit, solve, DEFAULT_SLOTS};
 use remat::Error;
@@ -21,6 +21,7 @@ fn option(forward_time: f64, backward_time: f64, saved: u64, temps: (u64, u64)) 
         backward_peak_bytes: None,
         refill: None,
         leaf: None,
+        split: None,
     }
 }
 
@@ -297,6 +298,42 @@ fn a_leaf_runs_only_the_forward_its_backward_reads() {
     assert_rejected(&without_leaves(&chain), &[sequence.ops]);
 }
 
+/// Block 1's backward peaks before it reads its input `x_1`, which a free refill makes again
+/// after that part: split around the refill, it needs less memory than any sequence holding
+/// `x_1` through the whole backward.
+#[test]
+fn a_split_backward_refills_its_input_after_its_peak() {
+    let mut chain = uniform(4, 10);
+    chain.blocks[0].options[0].refill = Some(Refill {
+        time: 0.0,
+        peak_bytes: 0,
+    });
+    chain.blocks[1].options[0].backward_temp_bytes = 20;
+    let whole = chain.clone();
+    chain.blocks[1].options[0].split = Some(Split {
+        time: 1.0,
+        first_peak_bytes: 40,
+        between_bytes: 10,
+        second_peak_bytes: 10,
+    });
+    let (min, _) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    assert!(min < limits(&whole, DEFAULT_SLOTS).unwrap().0);
+    let sequence = solved(&chain, min);
+    let b1 = ChainOp::BackwardFirst {
+        block: 1,
+        option: 0,
+    };
+    assert!(notation(&sequence.ops).ends_with("B(2) B1(1) R(0) B(1) B(0)"));
+    assert!(sequence.predicted.time >= brute_force(&chain, min).unwrap().0);
+    // What the simulator refuses: `B1` of an option without a split, `B1` twice.
+    let split_ops = sequence.ops.clone();
+    assert_rejected(&whole, &[split_ops]);
+    let at = sequence.ops.iter().position(|op| *op == b1).unwrap();
+    let mut twice = sequence.ops[..=at].to_vec();
+    twice.push(b1);
+    assert_rejected(&chain, &[twice]);
+}
+
 /// The simulator refuses each sequence with a schedule error.
 fn assert_rejected(chain: &Chain, sequences: &[Vec<ChainOp>]) {
     for ops in sequences {
@@ -496,6 +533,8 @@ struct State {
     output_copy: bool,
     /// The gradient held (`u8::MAX`: none).
     delta: u8,
+    /// The backward of the block that reads the gradient held ran its first part (`B1`) only.
+    split: bool,
     backward: bool,
 }
 
@@ -540,7 +579,23 @@ impl Search<'_> {
         if s.delta != u8::MAX {
             live += self.delta_bytes(s.delta as usize);
         }
+        if s.split {
+            let i = s.delta as usize - 1;
+            let split = self.split_of(s, i);
+            live = live - self.mine(s, i) + split.between_bytes;
+        }
         live
+    }
+
+    /// `δ_{i+1}` and `xbar_{i+1}`, as `B(i)` counts them.
+    fn mine(&self, s: &State, i: usize) -> u64 {
+        self.delta_bytes(i + 1) + self.saved(i + 1, s.x[i + 1]) + self.x_bytes(s, i + 1)
+    }
+
+    /// The split of the option block `i` stored `xbar_{i+1}` with.
+    fn split_of(&self, s: &State, i: usize) -> Split {
+        let option = (s.x[i + 1] - XBAR) as usize;
+        self.chain.blocks[i].options[option].split.unwrap()
     }
 
     /// The capacity, and before the loss `δ_L` too: it counts for the whole step but arrives at
@@ -613,7 +668,40 @@ impl Search<'_> {
                     }
                 }
             }
-            if s.backward && s.delta as usize == i + 1 && in_xbar(s.x[i + 1]) && alive(s.x[i]) {
+            let holds_gradient = s.backward && s.delta as usize == i + 1 && in_xbar(s.x[i + 1]);
+            if holds_gradient && !s.split && b.options[(s.x[i + 1] - XBAR) as usize].split.is_some()
+            {
+                let option = (s.x[i + 1] - XBAR) as usize;
+                let split = self.split_of(s, i);
+                let mine = self.mine(s, i);
+                if live - mine + split.first_peak_bytes.max(mine) <= self.capacity {
+                    let mut next = s.clone();
+                    next.split = true;
+                    let op = ChainOp::BackwardFirst { block: i, option };
+                    out.push((next, split.time, op));
+                }
+            }
+            if holds_gradient && s.split && alive(s.x[i]) {
+                let option = (s.x[i + 1] - XBAR) as usize;
+                let split = self.split_of(s, i);
+                let base = live - split.between_bytes;
+                let own = split.second_peak_bytes.max(split.between_bytes);
+                if base + own.max(self.delta_bytes(i)) <= self.capacity {
+                    let mut next = s.clone();
+                    next.x[i + 1] = ABSENT;
+                    if i + 1 == len {
+                        next.output_copy = false;
+                    }
+                    if i > 0 && s.x[i] < XBAR {
+                        next.x[i] = ABSENT;
+                    }
+                    next.delta = i as u8;
+                    next.split = false;
+                    let time = b.options[option].backward_time - split.time;
+                    out.push((next, time, ChainOp::Backward { block: i, option }));
+                }
+            }
+            if holds_gradient && !s.split && alive(s.x[i]) {
                 let option = (s.x[i + 1] - XBAR) as usize;
                 let o = &b.options[option];
                 let peak = match o.backward_peak_bytes {
@@ -664,7 +752,7 @@ impl Search<'_> {
     ) {
         let b = &self.chain.blocks[i];
         let x = s.x[i + 1];
-        if i + 1 == self.chain.len() || b.once {
+        if i + 1 == self.chain.len() || b.once || (s.split && s.delta as usize == i + 1) {
             return;
         }
         if in_xbar(x) && b.options[(x - XBAR) as usize].refill.is_some() {
@@ -717,6 +805,7 @@ impl Search<'_> {
             x,
             output_copy: false,
             delta: u8::MAX,
+            split: false,
             backward: false,
         };
         let mut dist: HashMap<State, u64> = HashMap::from([(start.clone(), 0)]);
@@ -834,6 +923,30 @@ fn with_refills(chain: Chain) -> impl Strategy<Value = Chain> {
         let options = chain.blocks.iter_mut().flat_map(|b| b.options.iter_mut());
         for (o, r) in options.zip(refills) {
             o.refill = r;
+        }
+        chain
+    })
+}
+
+/// `chain` with a split on a quarter of its options (a first part of 0 to 5 s, at most the
+/// backward's, and peaks and bytes between of 0 to 11).
+fn with_splits(chain: Chain) -> impl Strategy<Value = Chain> {
+    let count: usize = chain.blocks.iter().map(|b| b.options.len()).sum();
+    let split = (0..6u32, 0..12u64, 0..12u64, 0..12u64).prop_map(|(t, f, m, s)| Split {
+        time: f64::from(t),
+        first_peak_bytes: f,
+        between_bytes: m,
+        second_peak_bytes: s,
+    });
+    let splits = prop::collection::vec(prop::option::weighted(0.25, split), count);
+    splits.prop_map(move |splits| {
+        let mut chain = chain.clone();
+        let options = chain.blocks.iter_mut().flat_map(|b| b.options.iter_mut());
+        for (o, split) in options.zip(splits) {
+            o.split = split.map(|s| Split {
+                time: s.time.min(o.backward_time),
+                ..s
+            });
         }
         chain
     })
@@ -968,7 +1081,7 @@ proptest! {
     /// block's run).
     #[test]
     fn dp_with_refills_is_between_the_search_and_no_refills(
-        chain in arb_chain(false).prop_flat_map(with_refills),
+        chain in arb_chain(false).prop_flat_map(with_refills).prop_flat_map(with_splits),
         level in -0.2..1.0f64,
     ) {
         let limit = limit_at(&chain, level);
