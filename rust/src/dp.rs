@@ -31,7 +31,10 @@
 //! option in `p`), rotor's recurrence with refills for `Fn` (memory `m` counts all but `x_a`).
 //! A segment keeps no input but the first: the optimum on residual layers whose output is made
 //! cheaply from small saved tensors, where a layer may save its inner tensors while the next
-//! saves nothing.
+//! saves nothing. If block `j-1`'s option splits its backward, the segment's backward may
+//! instead start with `B1(j-1)` and go on with `S'_{p,k}(m, a, j-1)`: the same recurrence with
+//! what is between the two parts held in place of `δ_j` and `xbar_j`, and `S'_{p,k}(·, c, c)` the
+//! second part.
 //!
 //! A checkpoint `x_j` runs blocks `a` to `j-1` without grad, so none of them may be a
 //! [`crate::chain::Block::once`] block. Then every block runs with grad exactly once (each `Fe`
@@ -294,10 +297,12 @@ struct Costs {
     /// Per block: its options as the last block of a segment, whose output is kept
     /// ([`last_options`]).
     last: Vec<Vec<usize>>,
-    /// Per block: its options in `S` ([`Costs::last`] and [`Costs::segment`]), and the position
-    /// of each option among them (`usize::MAX` if not).
+    /// Per block: its options in `S` ([`Costs::last`] and [`Costs::segment`]); the position of
+    /// each option's `S` row among the block's kinds of one profile, its `S'` row next if it
+    /// splits (`usize::MAX` if not in `S`); and the number of those kinds.
     sweep_options: Vec<Vec<usize>>,
     sweep_position: Vec<Vec<usize>>,
+    sweep_kind_count: Vec<usize>,
 }
 
 impl Costs {
@@ -376,16 +381,23 @@ impl Costs {
                 all
             })
             .collect();
+        let mut sweep_kind_count = Vec::with_capacity(len);
         let sweep_position = sweep_options
             .iter()
             .zip(&options)
             .map(|(list, o)| {
                 let mut position = vec![usize::MAX; o.len()];
-                list.iter().enumerate().for_each(|(p, &k)| position[k] = p);
+                let mut count = 0;
+                for &k in list {
+                    position[k] = count;
+                    count += 1 + usize::from(o[k].split.is_some());
+                }
+                sweep_kind_count.push(count);
                 position
             })
             .collect();
         Costs {
+            sweep_kind_count,
             segment,
             profiles,
             last,
@@ -515,13 +527,12 @@ impl Costs {
         out
     }
 
-    /// The sweeps of `S_{p,k}(·, a, c)` (`a < c`), by the input `x_i` they keep.
-    fn sweeps(&self, a: usize, c: usize, p: usize, k: usize) -> Vec<Sweep> {
+    /// The sweeps of `S_{p,k}(·, a, c)` (`a < c`; its split form `S'`: `B1(c, k)` ran), by
+    /// the input `x_i` they keep.
+    fn sweeps(&self, a: usize, c: usize, (p, k, split): Kind) -> Vec<Sweep> {
         let option = |i: usize| &self.options[i][self.segment_option(i, p)];
-        let base: u64 = (a..c).map(|i| option(i).saved).sum::<u64>()
-            + self.options[c][k].saved
-            + self.x[c + 1]
-            + self.delta[c + 1];
+        let base: u64 =
+            (a..c).map(|i| option(i).saved).sum::<u64>() + self.backward_held(c, k, split);
         let mut out = Vec::new();
         let (mut extra, mut saved, mut time) = (0, 0, 0.0);
         for l in a..c {
@@ -546,13 +557,49 @@ impl Costs {
         c < self.len && c - a < SEGMENT_BLOCKS && (a..c).all(|i| !self.segment[i].is_empty())
     }
 
-    /// The `(profile, option of block c)` of every `S_{p,k}(·, a, c)` used.
-    fn sweep_kinds(&self, a: usize, c: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    /// The kind of every `S_{p,k}(·, a, c)` used: profile, option of block c, and whether its
+    /// split form `S'` (where option `k` splits).
+    fn sweep_kinds(&self, a: usize, c: usize) -> impl Iterator<Item = Kind> + '_ {
         let options: &[usize] = match self.has_sweeps(a, c) {
             true => &self.sweep_options[c],
             false => &[],
         };
-        (0..self.profiles).flat_map(move |p| options.iter().map(move |&k| (p, k)))
+        let splits = move |k: usize| {
+            let split = self.options[c][k].split.is_some();
+            [false, true].into_iter().filter(move |&s| !s || split)
+        };
+        let kinds = move |p: usize| {
+            options
+                .iter()
+                .flat_map(move |&k| splits(k).map(move |s| (p, k, s)))
+        };
+        (0..self.profiles).flat_map(kinds)
+    }
+
+    /// What block `c`'s backward holds of its own as `S` starts: `δ_{c+1}` and `xbar_{c+1}`, or
+    /// once `B1(c, k)` ran (`split`), the bytes between the parts.
+    fn backward_held(&self, c: usize, k: usize, split: bool) -> u64 {
+        let o = &self.options[c][k];
+        match (split, o.split) {
+            (true, Some((_, between, _))) => between,
+            _ => o.saved + self.x[c + 1] + self.delta[c + 1],
+        }
+    }
+
+    /// The memory `S'_{p,k}(·, c, c)` needs: the second part of `B(c, k)`, `x_c` held by the
+    /// caller.
+    fn second_peak(&self, c: usize, k: usize) -> u64 {
+        let (_, between, second) = self.options[c][k].split.expect("an option that splits");
+        second.max(between).max(self.delta[c])
+    }
+
+    /// The memory `B1(c, k)` needs at the start of `S_{p,k}(·, a, c)`, if option `k` splits.
+    fn first_peak(&self, a: usize, c: usize, p: usize, k: usize) -> Option<u64> {
+        let (first, _, _) = self.options[c][k].split?;
+        let saved: u64 = (a..c)
+            .map(|i| self.options[i][self.segment_option(i, p)].saved)
+            .sum();
+        Some(saved + first.max(self.backward_held(c, k, false)))
     }
 
     /// Whether `D(·, a, b)` is used: `a + 1 < b` and some option of block `a` refills.
@@ -670,6 +717,9 @@ struct Segment {
 
 /// `R(a) R(a+1) D(a) … R(i-1) D(i-2)` inside `S_{p,k}(·, a, c)`: its peak (with what `S` holds), what
 /// stays held beside `S(·, i, c)` (saved bytes of blocks `a..i-1` and `x_i`), its time.
+/// A kind of `S` rows: profile, option of the last block, and whether the split form.
+type Kind = (usize, usize, bool);
+
 struct Sweep {
     keep: usize,
     peak: u64,
@@ -709,7 +759,7 @@ impl SweepRows {
             for c in a..costs.len {
                 if costs.has_sweeps(a, c) {
                     first[pairs.at(a, c)] = count;
-                    count += costs.profiles * costs.sweep_options[c].len();
+                    count += costs.profiles * costs.sweep_kind_count[c];
                 }
             }
         }
@@ -720,9 +770,9 @@ impl SweepRows {
         }
     }
 
-    fn at(&self, costs: &Costs, a: usize, c: usize, (p, k): (usize, usize)) -> usize {
-        let options = costs.sweep_options[c].len();
-        self.first[self.pairs.at(a, c)] + p * options + costs.sweep_position[c][k]
+    fn at(&self, costs: &Costs, a: usize, c: usize, (p, k, split): Kind) -> usize {
+        let kind = p * costs.sweep_kind_count[c] + costs.sweep_position[c][k];
+        self.first[self.pairs.at(a, c)] + kind + usize::from(split)
     }
 }
 
@@ -736,14 +786,16 @@ fn min_memory(costs: &Costs) -> u64 {
     for d in 0..=len {
         for a in 0..=len - d {
             let b = a + d;
-            for (p, k) in costs.sweep_kinds(a, b) {
-                need_s[rows.at(costs, a, b, (p, k))] = if a == b {
+            for kind @ (p, k, split) in costs.sweep_kinds(a, b) {
+                need_s[rows.at(costs, a, b, kind)] = if a == b && split {
+                    costs.second_peak(a, k)
+                } else if a == b {
                     costs.backward_peak(a, k)
                 } else {
-                    let each = costs.sweeps(a, b, p, k).into_iter().map(|sw| {
-                        let inner = need_s[rows.at(costs, sw.keep, b, (p, k))];
+                    let each = costs.sweeps(a, b, kind).into_iter().map(|sw| {
+                        let inner = need_s[rows.at(costs, sw.keep, b, kind)];
                         let last = costs.segment_option(sw.keep - 1, p);
-                        let left = need_s[rows.at(costs, a, sw.keep - 1, (p, last))];
+                        let left = need_s[rows.at(costs, a, sw.keep - 1, (p, last, false))];
                         sw.peak.max(sw.held.saturating_add(inner)).max(left)
                     });
                     each.min().expect("a sweep")
@@ -780,8 +832,13 @@ fn min_memory(costs: &Costs) -> u64 {
                 }
                 for seg in costs.segments(a, b) {
                     let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
-                    let back = need_s[rows.at(costs, a, seg.end - 1, (seg.profile, seg.option))];
+                    let (c, p, k) = (seg.end - 1, seg.profile, seg.option);
+                    let back = need_s[rows.at(costs, a, c, (p, k, false))];
                     best = best.min(seg.forward_peak.max(deep).max(back));
+                    if let Some(first) = costs.first_peak(a, c, p, k) {
+                        let back = need_s[rows.at(costs, a, c, (p, k, true))].max(first);
+                        best = best.min(seg.forward_peak.max(deep).max(back));
+                    }
                 }
                 let mut forward = costs.check_peak(a, b);
                 for j in costs.checkpoints(a, b) {
@@ -808,6 +865,8 @@ const DROP: u32 = 1 << 30;
 const SEGMENT: u32 = 1 << 29;
 /// With `ENABLE` in `T(m, a, a)`: `FB(a, k)`.
 const LEAF: u32 = 1 << 28;
+/// With `SEGMENT`: `B1` of the segment's last block, then `S'`.
+const SPLIT: u32 = 1 << 27;
 const NONE: u32 = u32::MAX;
 
 /// The filled tables `T(m, a, b)` and their choices, for `m` in `0..=capacity`: one row of
@@ -836,13 +895,7 @@ impl Table {
         start..start + self.width
     }
 
-    fn sweep_row(
-        &self,
-        costs: &Costs,
-        a: usize,
-        c: usize,
-        kind: (usize, usize),
-    ) -> std::ops::Range<usize> {
+    fn sweep_row(&self, costs: &Costs, a: usize, c: usize, kind: Kind) -> std::ops::Range<usize> {
         let start = self.sweep_rows.at(costs, a, c, kind) * self.width;
         start..start + self.width
     }
@@ -905,9 +958,9 @@ impl Table {
                         table.drop_choice[row].copy_from_slice(&choice);
                     }
                 }
-                for (p, k) in costs.sweep_kinds(a, a + d) {
-                    table.sweep_row_fill(costs, a, a + d, (p, k), &mut time, &mut choice);
-                    let row = table.sweep_row(costs, a, a + d, (p, k));
+                for kind in costs.sweep_kinds(a, a + d) {
+                    table.sweep_row_fill(costs, a, a + d, kind, &mut time, &mut choice);
+                    let row = table.sweep_row(costs, a, a + d, kind);
                     table.sweep_time[row.clone()].copy_from_slice(&time);
                     table.sweep_choice[row].copy_from_slice(&choice);
                 }
@@ -978,38 +1031,48 @@ impl Table {
         }
         for (index, seg) in costs.segments(a, b).into_iter().enumerate() {
             let later = (&self.time[self.row(seg.end, b)], seg.held);
-            let sweeps = self.sweep_row(costs, a, seg.end - 1, (seg.profile, seg.option));
+            let (c, p, k) = (seg.end - 1, seg.profile, seg.option);
+            let sweeps = self.sweep_row(costs, a, c, (p, k, false));
             let back = (&self.sweep_time[sweeps], 0);
             let (tag, from) = (SEGMENT | index as u32, seg.forward_peak as usize);
             improve_from(time, choice, tag, from, seg.time, &[later, back]);
+            if let Some(first) = costs.first_peak(a, c, p, k) {
+                let sweeps = self.sweep_row(costs, a, c, (p, k, true));
+                let back = (&self.sweep_time[sweeps], 0);
+                let from = seg.forward_peak.max(first) as usize;
+                improve_from(time, choice, tag | SPLIT, from, seg.time, &[later, back]);
+            }
         }
     }
 
-    /// `S_{p,k}(m, a, c)` for every `m`, from shorter segments.
+    /// `S_{p,k}(m, a, c)` (or `S'`) for every `m`, from shorter segments.
     fn sweep_row_fill(
         &self,
         costs: &Costs,
         a: usize,
         c: usize,
-        (p, k): (usize, usize),
+        kind @ (p, k, split): Kind,
         time: &mut [f64],
         choice: &mut [u32],
     ) {
         time.fill(f64::INFINITY);
         choice.fill(NONE);
         if a == c {
-            let from = costs.backward_peak(a, k) as usize;
-            improve_from(time, choice, LOSS, from, 0.0, &[]);
+            let from = match split {
+                true => costs.second_peak(a, k),
+                false => costs.backward_peak(a, k),
+            };
+            improve_from(time, choice, LOSS, from as usize, 0.0, &[]);
             return;
         }
-        for sw in costs.sweeps(a, c, p, k) {
+        for sw in costs.sweeps(a, c, kind) {
             let last = costs.segment_option(sw.keep - 1, p);
             let inner = (
-                &self.sweep_time[self.sweep_row(costs, sw.keep, c, (p, k))],
+                &self.sweep_time[self.sweep_row(costs, sw.keep, c, kind)],
                 sw.held,
             );
             let left = (
-                &self.sweep_time[self.sweep_row(costs, a, sw.keep - 1, (p, last))],
+                &self.sweep_time[self.sweep_row(costs, a, sw.keep - 1, (p, last, false))],
                 0,
             );
             let (tag, from) = (sw.keep as u32, sw.peak as usize);
@@ -1049,7 +1112,8 @@ impl Table {
             NONE => unreachable!("rebuilding an infeasible entry"),
             c if c & ENABLE == 0 && c & SEGMENT != 0 => {
                 let segments = costs.segments(a, b);
-                let seg = &segments[(c & !SEGMENT) as usize];
+                let seg = &segments[(c & !(SEGMENT | SPLIT)) as usize];
+                let split = c & SPLIT != 0;
                 let end = seg.end;
                 let option = |i: usize| match i + 1 == end {
                     true => seg.option,
@@ -1067,7 +1131,14 @@ impl Table {
                     ops.push(ChainOp::DropOutput { block: i - 1 });
                 }
                 self.rebuild_into(costs, m - seg.held as usize, end, b, ops);
-                self.rebuild_sweep(costs, m, a, end - 1, (seg.profile, seg.option), ops);
+                if split {
+                    ops.push(ChainOp::BackwardFirst {
+                        block: end - 1,
+                        option: seg.option,
+                    });
+                }
+                let kind = (seg.profile, seg.option, split);
+                self.rebuild_sweep(costs, m, a, end - 1, kind, ops);
             }
             c if c & ENABLE != 0 && c & LEAF != 0 => {
                 let option = (c & !(ENABLE | LEAF)) as usize;
@@ -1109,10 +1180,10 @@ impl Table {
         m: usize,
         a: usize,
         c: usize,
-        (p, k): (usize, usize),
+        kind @ (p, k, _): Kind,
         ops: &mut Vec<ChainOp>,
     ) {
-        let keep = self.sweep_choice[self.sweep_row(costs, a, c, (p, k)).start + m];
+        let keep = self.sweep_choice[self.sweep_row(costs, a, c, kind).start + m];
         assert_ne!(keep, NONE, "rebuilding an infeasible entry");
         if a == c {
             ops.push(ChainOp::Backward {
@@ -1129,13 +1200,13 @@ impl Table {
             }
         }
         let sweep = costs
-            .sweeps(a, c, p, k)
+            .sweeps(a, c, kind)
             .into_iter()
             .find(|s| s.keep == keep);
         let held = sweep.expect("the chosen sweep").held as usize;
         let last = costs.segment_option(keep - 1, p);
-        self.rebuild_sweep(costs, m - held, keep, c, (p, k), ops);
-        self.rebuild_sweep(costs, m, a, keep - 1, (p, last), ops);
+        self.rebuild_sweep(costs, m - held, keep, c, kind, ops);
+        self.rebuild_sweep(costs, m, a, keep - 1, (p, last, false), ops);
     }
 
     /// The op sequence of `D(m, a, b)` of refill peak `r`.
