@@ -256,3 +256,28 @@ fn report_solve_times() {
         }
     }
 }
+
+/// On GPT-2 2L and the encoder, the DP's sequences over the grid of limits use leaves (`FB`) and
+/// split backwards (`B1`), and every composed schedule replays in the simulator.
+#[test]
+fn leaves_and_split_backwards_compose_valid_schedules() {
+    use remat::chain::ChainOp;
+    for name in ["gpt2_2l", "encoder_2l"] {
+        let g = load(name);
+        let sg = remat::simplify::simplify(&g);
+        let options = PlanOptions::default().hierarchy();
+        let h = remat::rockmate::Hierarchy::build(&g, &sg, &options).unwrap();
+        let (lo, hi) = remat::dp::limits(&h.chain, options.slots).unwrap();
+        let (mut leaves, mut splits) = (0, 0);
+        for k in 0..=20u64 {
+            let limit = lo + (hi - lo) * k / 20;
+            let sequence = remat::dp::solve(&h.chain, limit, options.slots).unwrap();
+            let count = |f: fn(&ChainOp) -> bool| sequence.ops.iter().filter(|op| f(op)).count();
+            leaves += count(|op| matches!(op, ChainOp::ForwardBackward { .. }));
+            splits += count(|op| matches!(op, ChainOp::BackwardFirst { .. }));
+            let schedule = h.schedule_at(&g, &sg, limit, options.slots).unwrap();
+            assert!(schedule.is_some(), "{name} at {limit}");
+        }
+        assert!(leaves > 0 && splits > 0, "{name}: {leaves} FB, {splits} B1");
+    }
+}
