@@ -37,6 +37,7 @@ fn resnet_like(n: usize) -> Chain {
                     refill: None,
                     leaf: None,
                     split: None,
+                    output_unread: false,
                 }],
                 once: false,
             }

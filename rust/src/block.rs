@@ -399,6 +399,14 @@ pub fn leaf_cost(sub: &SubProblem, plan: &OptionPlan, forward: &[usize]) -> (f64
     (time, own_peaks(sub, &leaf).1)
 }
 
+/// Whether `plan`'s backward reads the block's output `x_{b+1}`.
+pub fn output_read(sub: &SubProblem, plan: &OptionPlan) -> bool {
+    let sg = &sub.sg;
+    let outputs = (0..sg.storages.len()).filter(|&s| sub.is_output[s]);
+    let read = |s: usize| plan.backward.iter().any(|&g| sg.uses(g, s));
+    outputs.into_iter().any(read)
+}
+
 /// The forward groups of `sub` in order: its run without grad.
 pub fn nograd_plan(sub: &SimpleGraph) -> OptionPlan {
     OptionPlan {
@@ -600,8 +608,7 @@ pub fn refill_plans(sub: &SubProblem, plan: &OptionPlan) -> Vec<RefillPlan> {
     let targets: Vec<usize> = (0..sg.storages.len())
         .filter(|&s| sub.is_output[s] && sub.context_bytes[s] > 0)
         .collect();
-    let read_back = |s: usize| plan.backward.iter().any(|&g| sg.uses(g, s));
-    if targets.is_empty() || targets.iter().any(|&s| read_back(s)) {
+    if targets.is_empty() || output_read(sub, plan) {
         return Vec::new();
     }
     let saved = saved_storages(sg, plan);
@@ -684,7 +691,11 @@ pub fn refill_cost(sub: &SubProblem, plan: &OptionPlan, refill: &RefillPlan) -> 
     let (mut live, mut peak, mut time) = (0u64, 0u64, 0.0);
     for (i, &g) in groups.iter().enumerate() {
         let group = &sg.groups[g];
-        let fresh = group.outputs.iter().filter(|&&s| !saved[s]);
+        // The output is held through the block (as saved) but made here: it counts.
+        let fresh = group
+            .outputs
+            .iter()
+            .filter(|&&s| !saved[s] || sub.is_output[s]);
         live += fresh.map(|&s| sub.context_bytes[s]).sum::<u64>();
         peak = peak.max(live + group.temp_bytes);
         time += group.time;

@@ -67,6 +67,10 @@ pub struct BlockOption {
     /// again between them ([`ChainOp::BackwardFirst`]); `None`: its first op reads `x_i`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split: Option<Split>,
+    /// `B` does not read the block's output `x_{i+1}` (a residual sum): a stored `x_{i+1}` is
+    /// released once its last reader, the next block's backward, has run.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub output_unread: bool,
 }
 
 /// A block's backward cut before its first read of the input `x_i` (Rockmate's blocks know
@@ -635,10 +639,7 @@ impl<'c> Replay<'c> {
                     self.live = base + grad;
                     self.split = None;
                     self.release_x(i + 1);
-                    self.delta = Some(i);
-                    if self.x[i] == Held::Plain {
-                        self.release_x(i);
-                    }
+                    self.backward_done(i);
                     self.time += (option.backward_time - split.time).max(0.0);
                     return Ok(());
                 }
@@ -657,10 +658,7 @@ impl<'c> Replay<'c> {
                 }
                 self.live -= self.delta_bytes(i + 1) + option.saved_bytes;
                 self.release_x(i + 1);
-                self.delta = Some(i);
-                if self.x[i] == Held::Plain {
-                    self.release_x(i);
-                }
+                self.backward_done(i);
                 self.time += option.backward_time;
             }
             ChainOp::ForwardBackward {
@@ -681,10 +679,7 @@ impl<'c> Replay<'c> {
                 let base = self.live - incoming;
                 self.peak(base + leaf.peak_bytes.max(incoming).max(grad));
                 self.live = base + grad;
-                self.delta = Some(i);
-                if self.x[i] == Held::Plain {
-                    self.release_x(i);
-                }
+                self.backward_done(i);
                 self.time += leaf.time;
             }
             ChainOp::BackwardFirst {
@@ -770,6 +765,20 @@ impl<'c> Replay<'c> {
             ));
         }
         Ok(())
+    }
+
+    /// Block `i`'s backward ended: `δ_i` is held, a stored `x_i` is released, and so are the
+    /// bytes of an `x_i` in `xbar_i` that block `i-1`'s backward does not read.
+    fn backward_done(&mut self, i: usize) {
+        self.delta = Some(i);
+        match self.x[i] {
+            Held::Plain => self.release_x(i),
+            Held::InXbar(k) if self.chain.blocks[i - 1].options[k].output_unread => {
+                self.live -= self.x_bytes[i];
+                self.x_bytes[i] = 0;
+            }
+            _ => {}
+        }
     }
 
     fn release_x(&mut self, i: usize) {

@@ -247,6 +247,8 @@ struct OptionCost {
     /// [`crate::chain::BlockOption::split`]: the first part's own peak, the bytes between the
     /// parts and the second part's own peak.
     split: Option<(u64, u64, u64)>,
+    /// [`crate::chain::BlockOption::output_unread`].
+    output_unread: bool,
 }
 
 impl OptionCost {
@@ -352,6 +354,7 @@ impl Costs {
                             .leaf
                             .filter(|_| !b.once)
                             .map(|l| (l.time, up(l.peak_bytes))),
+                        output_unread: o.output_unread,
                         split: o.split.map(|s| {
                             let bytes = [s.first_peak_bytes, s.between_bytes, s.second_peak_bytes];
                             (up(bytes[0]), up(bytes[1]), up(bytes[2]))
@@ -453,12 +456,22 @@ impl Costs {
         out + self.options[a][k].saved
     }
 
+    /// `xbar_{a+1}` of option `k` as `B(a, k)` starts inside `T(·, a, b)`: without the output
+    /// if `B(a, k)` does not read it and `B(a+1)` ran (`a < b`), which released it.
+    fn xbar_back(&self, a: usize, k: usize, b: usize) -> u64 {
+        let o = &self.options[a][k];
+        match a < b && o.output_unread {
+            true => o.saved,
+            false => self.xbar(a, k, b),
+        }
+    }
+
     /// Memory `Fe(a, k)` and `B(a, k)` need inside `T(·, a, b)`, beyond the caller's.
     fn enable_peak(&self, a: usize, k: usize, b: usize) -> u64 {
         let o = &self.options[a][k];
-        let xbar = self.xbar(a, k, b);
-        let forward = self.forward_held(b, o.forward_need(xbar));
-        forward.max(o.backward_need(xbar, self.delta[a + 1], self.delta[a]))
+        let forward = self.forward_held(b, o.forward_need(self.xbar(a, k, b)));
+        let back = self.xbar_back(a, k, b);
+        forward.max(o.backward_need(back, self.delta[a + 1], self.delta[a]))
     }
 
     /// The refill peak `r` if `T(·, a, b)` may run `D_k(·, a, b)` (`D` of peak `r`) after
@@ -468,10 +481,24 @@ impl Costs {
         (a + 1 < b).then_some(r)
     }
 
-    /// The memory `B(a, k)` needs, `x_{a+1}` counted and held by the caller.
+    /// The memory `B(a, k)` needs ending a segment's backward (`S(·, a, a)`), `x_{a+1}` held by
+    /// the caller ([`Costs::output_back`]).
     fn backward_peak(&self, a: usize, k: usize) -> u64 {
         let o = &self.options[a][k];
-        o.backward_need(self.x[a + 1] + o.saved, self.delta[a + 1], self.delta[a])
+        o.backward_need(
+            self.output_back(a, k) + o.saved,
+            self.delta[a + 1],
+            self.delta[a],
+        )
+    }
+
+    /// `x_{a+1}` as `B(a, k)` of a segment starts (`x_{a+1}` kept, `B(a+1)` ran): none if
+    /// `B(a, k)` does not read it.
+    fn output_back(&self, a: usize, k: usize) -> u64 {
+        match self.options[a][k].output_unread {
+            true => 0,
+            false => self.x[a + 1],
+        }
     }
 
     /// The memory `FB(a, k)` needs inside `T(·, a, a)`, if option `k` has a leaf.
@@ -582,7 +609,7 @@ impl Costs {
         let o = &self.options[c][k];
         match (split, o.split) {
             (true, Some((_, between, _))) => between,
-            _ => o.saved + self.x[c + 1] + self.delta[c + 1],
+            _ => o.saved + self.output_back(c, k) + self.delta[c + 1],
         }
     }
 
@@ -616,7 +643,7 @@ impl Costs {
         let refill = self.refill_peaks[a][r];
         let x = self.x[a + 1];
         let xbar = self.xbar(a + 1, k2, b);
-        let held = xbar + self.delta[a + 2];
+        let held = self.xbar_back(a + 1, k2, b) + self.delta[a + 2];
         let whole = (x + self.enable_peak(a + 1, k2, b)).max(held + x.max(refill));
         let o = &self.options[a + 1][k2];
         let Some((first, between, second)) = o.split else {

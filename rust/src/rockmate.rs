@@ -296,6 +296,7 @@ fn chain_of(
                             let (time, peak_bytes) = block::leaf_cost(sub, plan, forward);
                             Leaf { time, peak_bytes }
                         }),
+                        output_unread: !block::output_read(sub, plan),
                         split: block::split_at(sub, plan).map(|at| {
                             let (time, first, between, second) = block::split_cost(sub, plan, at);
                             Split {

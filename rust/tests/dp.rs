@@ -22,6 +22,7 @@ fn option(forward_time: f64, backward_time: f64, saved: u64, temps: (u64, u64)) 
         refill: None,
         leaf: None,
         split: None,
+        output_unread: false,
     }
 }
 
@@ -535,6 +536,8 @@ struct State {
     delta: u8,
     /// The backward of the block that reads the gradient held ran its first part (`B1`) only.
     split: bool,
+    /// Bit `i`: `x_i`, in `xbar_i`, was released (block `i-1`'s backward does not read it).
+    gone: u32,
     backward: bool,
 }
 
@@ -549,6 +552,7 @@ impl Search<'_> {
         match i {
             0 => 0,
             i if i == len && !s.output_copy => 0,
+            i if s.gone & (1 << i) != 0 => 0,
             i => self.chain.sizes[i],
         }
     }
@@ -687,16 +691,7 @@ impl Search<'_> {
                 let base = live - split.between_bytes;
                 let own = split.second_peak_bytes.max(split.between_bytes);
                 if base + own.max(self.delta_bytes(i)) <= self.capacity {
-                    let mut next = s.clone();
-                    next.x[i + 1] = ABSENT;
-                    if i + 1 == len {
-                        next.output_copy = false;
-                    }
-                    if i > 0 && s.x[i] < XBAR {
-                        next.x[i] = ABSENT;
-                    }
-                    next.delta = i as u8;
-                    next.split = false;
+                    let next = self.backward_done(s, i);
                     let time = b.options[option].backward_time - split.time;
                     out.push((next, time, ChainOp::Backward { block: i, option }));
                 }
@@ -712,15 +707,7 @@ impl Search<'_> {
                     None => live + self.delta_bytes(i) + o.backward_temp_bytes,
                 };
                 if peak <= self.capacity {
-                    let mut next = s.clone();
-                    next.x[i + 1] = ABSENT;
-                    if i + 1 == len {
-                        next.output_copy = false;
-                    }
-                    if i > 0 && s.x[i] < XBAR {
-                        next.x[i] = ABSENT;
-                    }
-                    next.delta = i as u8;
+                    let next = self.backward_done(s, i);
                     out.push((
                         next,
                         o.backward_time,
@@ -758,6 +745,7 @@ impl Search<'_> {
         if in_xbar(x) && b.options[(x - XBAR) as usize].refill.is_some() {
             let mut next = s.clone();
             next.x[i + 1] = x - XBAR + DROPPED;
+            next.gone &= !(1 << (i + 1));
             out.push((next, 0.0, ChainOp::DropOutput { block: i }));
         }
         if x >= DROPPED && alive(s.x[i]) {
@@ -782,11 +770,7 @@ impl Search<'_> {
         for (k, o) in b.options.iter().enumerate() {
             let Some(leaf) = o.leaf else { continue };
             if live - incoming + leaf.peak_bytes.max(incoming).max(grad) <= self.capacity {
-                let mut next = s.clone();
-                if i > 0 && s.x[i] < XBAR {
-                    next.x[i] = ABSENT;
-                }
-                next.delta = i as u8;
+                let next = self.backward_done(s, i);
                 let op = ChainOp::ForwardBackward {
                     block: i,
                     option: k,
@@ -794,6 +778,30 @@ impl Search<'_> {
                 out.push((next, leaf.time, op));
             }
         }
+    }
+
+    /// The state after block `i`'s backward (`B`, its second part, or `FB`): `xbar_{i+1}` and a
+    /// stored `x_i` released, `δ_i` held, and the bytes of an `x_i` in `xbar_i` that block
+    /// `i-1`'s backward does not read released.
+    fn backward_done(&self, s: &State, i: usize) -> State {
+        let mut next = s.clone();
+        next.x[i + 1] = ABSENT;
+        next.gone &= !(1 << (i + 1));
+        if i + 1 == self.chain.len() {
+            next.output_copy = false;
+        }
+        if i > 0 && s.x[i] < XBAR {
+            next.x[i] = ABSENT;
+        }
+        if in_xbar(s.x[i]) {
+            let option = (s.x[i] - XBAR) as usize;
+            if self.chain.blocks[i - 1].options[option].output_unread {
+                next.gone |= 1 << i;
+            }
+        }
+        next.delta = i as u8;
+        next.split = false;
+        next
     }
 
     /// A sequence of least time (times are integers, so sums are exact).
@@ -806,6 +814,7 @@ impl Search<'_> {
             output_copy: false,
             delta: u8::MAX,
             split: false,
+            gone: 0,
             backward: false,
         };
         let mut dist: HashMap<State, u64> = HashMap::from([(start.clone(), 0)]);
@@ -854,7 +863,8 @@ fn arb_own_peak(own_peaks: bool) -> BoxedStrategy<Option<u64>> {
     }
 }
 
-/// Options with a leaf a quarter of the time (a time of 1 to 8 and a peak of 0 to 11).
+/// Options with a leaf a quarter of the time (a time of 1 to 8 and a peak of 0 to 11), and a
+/// backward that does not read the output 30% of the time.
 fn arb_option(own_peaks: bool) -> impl Strategy<Value = BlockOption> {
     let leaf = (1..9u32, 0..12u64).prop_map(|(t, p)| Leaf {
         time: f64::from(t),
@@ -865,11 +875,13 @@ fn arb_option(own_peaks: bool) -> impl Strategy<Value = BlockOption> {
         arb_own_peak(own_peaks),
         arb_own_peak(own_peaks),
         prop::option::weighted(0.25, leaf),
+        prop::bool::weighted(0.3),
     )
-        .prop_map(|((f, b, s, ft, bt), fp, bp, leaf)| BlockOption {
+        .prop_map(|((f, b, s, ft, bt), fp, bp, leaf, unread)| BlockOption {
             forward_peak_bytes: fp,
             backward_peak_bytes: bp,
             leaf,
+            output_unread: unread,
             ..option(f as f64, b as f64, s, (ft, bt))
         })
 }
