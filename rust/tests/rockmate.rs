@@ -318,26 +318,71 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
 
     /// Residual layers whose inner tensors are at least as large as the hidden state (as in
-    /// transformers and CNNs): the hierarchy's schedule is within 25% of the exact whole-graph
-    /// ILP's optimum at 4 budgets (the worst ratio is printed; 1.12 seen over 100 cases).
+    /// transformers and CNNs): the hierarchy's schedule is within 2% of the exact whole-graph
+    /// ILP's optimum at 4 budgets (the worst ratio is printed; every one of 100 cases of
+    /// `report_ratios_to_the_optimum` was at the optimum, where leaves, split backwards and outputs released
+    /// early were missing 1.12 was seen).
     #[test]
     fn hierarchy_is_close_to_the_optimum_on_wide_layers(kind in layer(), n in 3usize..=5, h in 1u64..=8) {
         let hidden = 100 * h.min(kind.a / 100).min(kind.b / 100);
         let worst = worst_ratio(&residual_net(hidden, &vec![kind; n]))?;
         eprintln!("wide layers: worst ratio to the optimum {worst:.4}");
-        prop_assert!(worst <= 1.25, "hierarchy {worst:.4}x the optimum");
+        prop_assert!(worst <= 1.02, "hierarchy {worst:.4}x the optimum");
     }
 
-    /// Any residual layers: never faster than the optimum, and at most 1.5 times as slow. The
+    /// Any residual layers: never faster than the optimum, and at most 1.25 times as slow. The
     /// chain model is weakest when a layer's inner tensors are smaller than its output: the
     /// optimum keeps them and recomputes the cheap sums from one stored input, which segments of
     /// refills express only where one profile of block options saves the right tensors (the
-    /// worst ratio is printed: 1.22 seen over 100 cases; 1.32 with one option per block, 1.62
-    /// with refills alone, 2.4 before).
+    /// worst ratio is printed: 1.17 seen over 100 cases, 379 of their 400 budgets within 2%;
+    /// 1.22 before leaves and split backwards, 1.32 with one option per block, 1.62 with refills
+    /// alone, 2.4 before).
     #[test]
     fn hierarchy_is_bounded_on_narrow_layers(kind in layer(), n in 3usize..=5, hidden in 1u64..=8) {
         let worst = worst_ratio(&residual_net(hidden * 100, &vec![kind; n]))?;
         eprintln!("any layers: worst ratio to the optimum {worst:.4}");
-        prop_assert!(worst <= 1.5, "hierarchy {worst:.4}x the optimum");
+        prop_assert!(worst <= 1.25, "hierarchy {worst:.4}x the optimum");
     }
+}
+
+/// Ratios of the hierarchy's predicted step to the exact ILP's on `REMAT_CASES` random residual
+/// nets (default 20; seed `REMAT_SEED`, default 12345) of 3 to 5 layers, one per block, at 20, 40,
+/// 60 and 80% of the budget range: wide layers (inner tensors at least the hidden size), or any
+/// with `REMAT_NARROW` set. A report, not a check (the exact ILP takes seconds per case).
+#[test]
+#[ignore]
+fn report_ratios_to_the_optimum() {
+    let env = |name: &str, default: u64| {
+        let value = std::env::var(name).ok().and_then(|v| v.parse().ok());
+        value.unwrap_or(default)
+    };
+    let (cases, mut seed) = (env("REMAT_CASES", 20), env("REMAT_SEED", 12345));
+    let narrow = std::env::var("REMAT_NARROW").is_ok();
+    let mut next = |m: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % m + 1
+    };
+    let mut worst: f64 = 0.0;
+    for case in 0..cases {
+        let kind = Layer::new(next(8) * 100, next(8) * 100, next(8) as f64, next(8) as f64);
+        let n = 2 + next(3) as usize;
+        let h = next(8);
+        let hidden = match narrow {
+            true => h * 100,
+            false => 100 * h.min(kind.a / 100).min(kind.b / 100),
+        };
+        let g = residual_net(hidden, &vec![kind; n]);
+        let mut line = format!("case {case}: {kind:?} n {n} hidden {hidden}:");
+        for f in [0.2, 0.4, 0.6, 0.8] {
+            let budget = budget_at(&g, f);
+            let ratio =
+                hierarchy_time(&g, budget).map_or(f64::NAN, |t| t / optimal_time(&g, budget));
+            worst = worst.max(ratio);
+            line += &format!(" {ratio:.3}");
+        }
+        eprintln!("{line}");
+    }
+    eprintln!("worst ratio to the optimum: {worst:.4}");
 }
