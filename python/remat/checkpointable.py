@@ -105,8 +105,8 @@ class Checkpointable(nn.Module):
             no allocator limit, the memory the system reports available then (psutil's
             ``virtual_memory().available`` or ``MemAvailable`` of ``/proc/meminfo``), with a
             warning saying so.
-        slots: memory slots of the DP, at least (sizes are rounded up to slots of a power of two
-            bytes, the largest giving at least ``slots`` slots).
+        slots: memory slots of the DP, about (sizes are rounded up to slots of the power of two
+            bytes nearest ``mem_limit / slots``).
 
     Calls must use inputs of the measured shape, dtype and device (else ``InputMismatch``). In
     eval mode or under ``torch.no_grad()`` the layers run plainly. Random layers draw the same

@@ -41,8 +41,8 @@
 //! has its `B`), and a `once` block before the loss: sub-chains after the loss (`T(m, a, j-1)`
 //! of a checkpoint) have no `once` block.
 //!
-//! Memory is discretized into `slots` to `2 · slots` slots of a power of two bytes (the largest
-//! giving at least `slots`), sizes rounded *up*, so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
+//! Memory is discretized into about `slots` slots of a power of two bytes (0.7 to 1.4 times as
+//! many), sizes rounded *up*, so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
 //! bytes. Tables are dense and filled iteratively, by sub-chain length: `O(slots · L²)` memory
 //! and `O(slots · L³)` time.
 
@@ -202,9 +202,9 @@ pub(crate) fn check_slots(slots: usize) -> Result<()> {
 }
 
 /// The discretization of a limit: `capacity` slots of `unit` bytes for what the caller does not
-/// hold for the whole step. The unit is the largest power of two that gives at least `slots`
-/// slots (so at most twice as many): tensor sizes are multiples of powers of two (element sizes,
-/// shapes, the allocator's granularity), and round up to such units with little or no loss.
+/// hold for the whole step. The unit is the power of two nearest `limit / slots` (so 0.7 to 1.4
+/// times `slots` slots): tensor sizes are multiples of powers of two (element sizes, shapes, the
+/// allocator's granularity), and round up to such units with little or no loss.
 struct Grid {
     unit: u64,
     capacity: usize,
@@ -214,7 +214,11 @@ impl Grid {
     fn new(chain: &Chain, mem_limit: u64, slots: usize) -> Option<Grid> {
         let avail = mem_limit.checked_sub(chain.held_bytes())?;
         let even = avail.div_ceil(slots as u64).max(1);
-        let unit = 1 << (u64::BITS - 1 - even.leading_zeros());
+        let below: u64 = 1 << (u64::BITS - 1 - even.leading_zeros());
+        let unit = match even as f64 > below as f64 * std::f64::consts::SQRT_2 {
+            true => below * 2,
+            false => below,
+        };
         Some(Grid {
             unit,
             capacity: (avail / unit) as usize,
