@@ -347,10 +347,14 @@ pub fn split_cost(sub: &SubProblem, plan: &OptionPlan, at: usize) -> (f64, u64, 
     let profile = own_profile(sub, plan);
     let most = |peaks: &[u64], from: u64| peaks.iter().fold(from, |a, &b| a.max(b));
     let between = profile.after[at - 1];
-    let times = plan.backward[..at].iter().map(|&g| sub.sg.groups[g].time);
     let first = most(&profile.peaks[..at], profile.start);
     let second = most(&profile.peaks[at..], between);
-    (times.fold(0.0, |sum, t| sum + t), first, between, second)
+    (
+        time_of(&sub.sg, &plan.backward[..at]),
+        first,
+        between,
+        second,
+    )
 }
 
 /// The forward groups of `plan` that its backward reads, directly or not, in order (and those
@@ -394,9 +398,12 @@ pub fn leaf_cost(sub: &SubProblem, plan: &OptionPlan, forward: &[usize]) -> (f64
         forward: Vec::new(),
         backward: forward.iter().chain(&plan.backward).copied().collect(),
     };
-    let times = leaf.backward.iter().map(|&g| sub.sg.groups[g].time);
-    let time = times.fold(0.0, |sum, t| sum + t);
-    (time, own_peaks(sub, &leaf).1)
+    (time_of(&sub.sg, &leaf.backward), own_peaks(sub, &leaf).1)
+}
+
+/// Seconds of `groups` (0 for none, not the -0 of an empty float sum).
+fn time_of(sg: &SimpleGraph, groups: &[usize]) -> f64 {
+    groups.iter().fold(0.0, |sum, &g| sum + sg.groups[g].time)
 }
 
 /// Whether `plan`'s backward reads the block's output `x_{b+1}`.

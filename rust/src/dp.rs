@@ -562,8 +562,7 @@ impl Costs {
     /// the input `x_i` they keep.
     fn sweeps(&self, a: usize, c: usize, (p, k, split): Kind) -> Vec<Sweep> {
         let option = |i: usize| &self.options[i][self.segment_option(i, p)];
-        let base: u64 =
-            (a..c).map(|i| option(i).saved).sum::<u64>() + self.backward_held(c, k, split);
+        let base = self.segment_saved(a, c, p) + self.backward_held(c, k, split);
         let mut out = Vec::new();
         let (mut extra, mut saved, mut time) = (0, 0, 0.0);
         for l in a..c {
@@ -607,6 +606,13 @@ impl Costs {
         (0..self.profiles).flat_map(kinds)
     }
 
+    /// The bytes blocks `a..c` save with their options in profile `p`.
+    fn segment_saved(&self, a: usize, c: usize, p: usize) -> u64 {
+        (a..c)
+            .map(|i| self.options[i][self.segment_option(i, p)].saved)
+            .sum()
+    }
+
     /// What block `c`'s backward holds of its own as `S` starts: `δ_{c+1}` and `xbar_{c+1}`, or
     /// once `B1(c, k)` ran (`split`), the bytes between the parts.
     fn backward_held(&self, c: usize, k: usize, split: bool) -> u64 {
@@ -627,10 +633,7 @@ impl Costs {
     /// The memory `B1(c, k)` needs at the start of `S_{p,k}(·, a, c)`, if option `k` splits.
     fn first_peak(&self, a: usize, c: usize, p: usize, k: usize) -> Option<u64> {
         let (first, _, _) = self.options[c][k].split?;
-        let saved: u64 = (a..c)
-            .map(|i| self.options[i][self.segment_option(i, p)].saved)
-            .sum();
-        Some(saved + first.max(self.backward_held(c, k, false)))
+        Some(self.segment_saved(a, c, p) + first.max(self.backward_held(c, k, false)))
     }
 
     /// Whether `D(·, a, b)` is used: `a + 1 < b` and some option of block `a` refills.
