@@ -48,6 +48,8 @@
 
 use crate::chain::{Chain, ChainOp, ChainSequence, ChainSolverInfo};
 use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 /// Most blocks in a segment (`T`'s third branch): segments cost `O(slots · L² · SEGMENT_BLOCKS ·
@@ -67,8 +69,78 @@ const MAX_TABLE_ENTRIES: usize = 1 << 30;
 /// the DP's is no faster or the slots cannot hold the limit. Below the smallest feasible limit,
 /// [`Error::Infeasible`] names it ([`min_limit`]).
 pub fn solve(chain: &Chain, mem_limit: u64, slots: usize) -> Result<ChainSequence> {
-    let start = Instant::now();
     check_slots(slots)?;
+    solve_in(chain, mem_limit, slots, |grid| {
+        Filled::new(chain, grid.unit, grid.capacity).map(Arc::new)
+    })
+}
+
+/// Solves of one chain at many limits: the limits whose slots have the same unit (limits within
+/// a factor of two) share one table, filled once for the largest of them, so that each further
+/// solve is a rebuild. The same sequences as [`solve`]: an entry `T(m, ·, ·)` depends only on
+/// entries of less memory. Safe to share between threads.
+pub struct Solver<'c> {
+    chain: &'c Chain,
+    slots: usize,
+    /// Per unit: its table, filled by the first solve that asks.
+    tables: Mutex<HashMap<u64, Arc<TableCell>>>,
+}
+
+/// A table filled once, by the first solve that asks (the others wait for it).
+type TableCell = OnceLock<Result<Arc<Filled>>>;
+
+impl<'c> Solver<'c> {
+    pub fn new(chain: &'c Chain, slots: usize) -> Result<Solver<'c>> {
+        check_slots(slots)?;
+        Ok(Solver {
+            chain,
+            slots,
+            tables: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The unit of the slots of `mem_limit` (`None` below what the chain holds): solves of
+    /// limits of one unit share a table.
+    pub fn unit(&self, mem_limit: u64) -> Option<u64> {
+        Grid::new(self.chain, mem_limit, self.slots).map(|grid| grid.unit)
+    }
+
+    /// [`solve`] at `mem_limit`.
+    pub fn solve(&self, mem_limit: u64) -> Result<ChainSequence> {
+        solve_in(self.chain, mem_limit, self.slots, |grid| {
+            let cell = {
+                let mut tables = self.tables.lock().expect("no solve panicked");
+                Arc::clone(tables.entry(grid.unit).or_default())
+            };
+            let capacity = grid.band_capacity(self.slots);
+            cell.get_or_init(|| Filled::new(self.chain, grid.unit, capacity).map(Arc::new))
+                .clone()
+        })
+    }
+}
+
+/// A chain's costs in one unit and its tables for every memory up to a capacity.
+struct Filled {
+    costs: Costs,
+    table: Table,
+}
+
+impl Filled {
+    fn new(chain: &Chain, unit: u64, capacity: usize) -> Result<Filled> {
+        let costs = Costs::new(chain, unit);
+        let table = Table::fill(&costs, capacity)?;
+        Ok(Filled { costs, table })
+    }
+}
+
+/// [`solve`], with the tables of a grid from `filled` (their capacity at least the grid's).
+fn solve_in(
+    chain: &Chain,
+    mem_limit: u64,
+    slots: usize,
+    filled: impl FnOnce(&Grid) -> Result<Arc<Filled>>,
+) -> Result<ChainSequence> {
+    let start = Instant::now();
     let info = |slot_bytes| ChainSolverInfo {
         name: "rotor".to_string(),
         mem_limit,
@@ -103,9 +175,8 @@ pub fn solve(chain: &Chain, mem_limit: u64, slots: usize) -> Result<ChainSequenc
             nearest_fitting(chain, min, mem_limit, slots)
         }
     };
-    let costs = Costs::new(chain, grid.unit);
-    let table = Table::fill(&costs, grid.capacity)?;
-    let ops = table.rebuild(&costs, grid.capacity);
+    let filled = filled(&grid)?;
+    let ops = filled.table.rebuild(&filled.costs, grid.capacity);
     let predicted = chain.simulate(&ops)?;
     if plain_fits && plain_report.time <= predicted.time {
         return plain_sequence();
@@ -223,6 +294,13 @@ impl Grid {
             unit,
             capacity: (avail / unit) as usize,
         })
+    }
+
+    /// The largest capacity of a grid of this unit (of a limit up to `slots · unit · √2`).
+    fn band_capacity(&self, slots: usize) -> usize {
+        let even = (self.unit as f64 * std::f64::consts::SQRT_2) as u64;
+        let capacity = (even * slots as u64 / self.unit) as usize;
+        capacity.max(self.capacity)
     }
 
     /// The grid of `mem_limit` if the DP finds a sequence in it.
@@ -749,11 +827,11 @@ struct Segment {
     time: f64,
 }
 
-/// `R(a) R(a+1) D(a) … R(i-1) D(i-2)` inside `S_{p,k}(·, a, c)`: its peak (with what `S` holds), what
-/// stays held beside `S(·, i, c)` (saved bytes of blocks `a..i-1` and `x_i`), its time.
 /// A kind of `S` rows: profile, option of the last block, and whether the split form.
 type Kind = (usize, usize, bool);
 
+/// `R(a) R(a+1) D(a) … R(i-1) D(i-2)` inside `S_{p,k}(·, a, c)`: its peak (with what `S` holds),
+/// what stays held beside `S(·, i, c)` (saved bytes of blocks `a..i-1` and `x_i`), its time.
 struct Sweep {
     keep: usize,
     peak: u64,
@@ -761,7 +839,8 @@ struct Sweep {
     time: f64,
 }
 
-/// Index of the pair `a <= b` among `0..=L`, row by row.
+/// Index of the pair `a <= b` among `0..=L`, in the order the tables are filled: by length
+/// `b - a`, then by `a`.
 struct Pairs {
     n: usize,
 }
@@ -772,7 +851,14 @@ impl Pairs {
     }
 
     fn at(&self, a: usize, b: usize) -> usize {
-        a * self.n - a * a.saturating_sub(1) / 2 + (b - a)
+        let d = b - a;
+        d * self.n - d * d.saturating_sub(1) / 2 + a
+    }
+
+    /// The pairs in index order.
+    fn all(&self) -> impl Iterator<Item = (usize, usize)> {
+        let n = self.n;
+        (0..n).flat_map(move |d| (0..n - d).map(move |a| (a, a + d)))
     }
 }
 
@@ -789,12 +875,10 @@ impl SweepRows {
         let pairs = Pairs { n: costs.len + 1 };
         let mut first = vec![usize::MAX; pairs.count()];
         let mut count = 0;
-        for a in 0..costs.len {
-            for c in a..costs.len {
-                if costs.has_sweeps(a, c) {
-                    first[pairs.at(a, c)] = count;
-                    count += costs.profiles * costs.sweep_kind_count[c];
-                }
+        for (a, c) in pairs.all() {
+            if costs.has_sweeps(a, c) {
+                first[pairs.at(a, c)] = count;
+                count += costs.profiles * costs.sweep_kind_count[c];
             }
         }
         SweepRows {
@@ -906,7 +990,8 @@ const NONE: u32 = u32::MAX;
 /// The filled tables `T(m, a, b)` and their choices, for `m` in `0..=capacity`: one row of
 /// `capacity + 1` entries per pair `a <= b`, so that each candidate is one pass over contiguous
 /// rows of its sub-chains (shifted by the memory they leave): cache-friendly, and 2.5-5x faster
-/// than filling the table one memory value at a time.
+/// than filling the table one memory value at a time. The times are needed only while filling:
+/// a filled table keeps its choices.
 struct Table {
     pairs: Pairs,
     width: usize,
@@ -945,12 +1030,10 @@ impl Table {
         let width = capacity + 1;
         let mut drop_rows = vec![usize::MAX; pairs.count()];
         let mut rows = 0;
-        for a in 0..len {
-            for b in a + 2..=len {
-                if costs.has_drops(a, b) {
-                    drop_rows[pairs.at(a, b)] = rows;
-                    rows += costs.refill_peaks[a].len();
-                }
+        for (a, b) in pairs.all() {
+            if costs.has_drops(a, b) {
+                drop_rows[pairs.at(a, b)] = rows;
+                rows += costs.refill_peaks[a].len();
             }
         }
         let sweep_rows = SweepRows::new(costs);
@@ -961,49 +1044,55 @@ impl Table {
                  {MAX_TABLE_ENTRIES}): use fewer slots"
             )));
         }
+        // Rows are made in index order (`Pairs`): each is appended once filled.
         let plain = width * pairs.count();
         let sweeps = width * sweep_rows.count;
         let mut table = Table {
             pairs,
             width,
-            time: vec![f64::INFINITY; plain],
-            choice: vec![NONE; plain],
+            time: Vec::with_capacity(plain),
+            choice: Vec::with_capacity(plain),
             drop_rows,
-            drop_time: vec![f64::INFINITY; width * rows],
-            drop_choice: vec![NONE; width * rows],
+            drop_time: Vec::with_capacity(width * rows),
+            drop_choice: Vec::with_capacity(width * rows),
             sweep_rows,
-            sweep_time: vec![f64::INFINITY; sweeps],
-            sweep_choice: vec![NONE; sweeps],
+            sweep_time: Vec::with_capacity(sweeps),
+            sweep_choice: Vec::with_capacity(sweeps),
         };
         let mut time = vec![f64::INFINITY; width];
         let mut choice = vec![NONE; width];
-        for d in 0..=len {
-            for a in 0..=len - d {
-                let peaks = if a < len {
-                    costs.refill_peaks[a].len()
-                } else {
-                    0
-                };
-                for r in 0..peaks {
-                    if costs.has_drops(a, a + d) {
-                        table.drop_row_fill(costs, a, r, a + d, &mut time, &mut choice);
-                        let row = table.drop_row(a, r, a + d);
-                        table.drop_time[row.clone()].copy_from_slice(&time);
-                        table.drop_choice[row].copy_from_slice(&choice);
-                    }
+        for (a, b) in table.pairs.all() {
+            let peaks = if a < len {
+                costs.refill_peaks[a].len()
+            } else {
+                0
+            };
+            for r in 0..peaks {
+                if costs.has_drops(a, b) {
+                    table.drop_row_fill(costs, a, r, b, &mut time, &mut choice);
+                    debug_assert_eq!(table.drop_row(a, r, b).start, table.drop_time.len());
+                    table.drop_time.extend_from_slice(&time);
+                    table.drop_choice.extend_from_slice(&choice);
                 }
-                for kind in costs.sweep_kinds(a, a + d) {
-                    table.sweep_row_fill(costs, a, a + d, kind, &mut time, &mut choice);
-                    let row = table.sweep_row(costs, a, a + d, kind);
-                    table.sweep_time[row.clone()].copy_from_slice(&time);
-                    table.sweep_choice[row].copy_from_slice(&choice);
-                }
-                table.best_row(costs, a, a + d, &mut time, &mut choice);
-                let row = table.row(a, a + d);
-                table.time[row.clone()].copy_from_slice(&time);
-                table.choice[row].copy_from_slice(&choice);
             }
+            for kind in costs.sweep_kinds(a, b) {
+                table.sweep_row_fill(costs, a, b, kind, &mut time, &mut choice);
+                debug_assert_eq!(
+                    table.sweep_row(costs, a, b, kind).start,
+                    table.sweep_time.len()
+                );
+                table.sweep_time.extend_from_slice(&time);
+                table.sweep_choice.extend_from_slice(&choice);
+            }
+            table.best_row(costs, a, b, &mut time, &mut choice);
+            debug_assert_eq!(table.row(a, b).start, table.time.len());
+            table.time.extend_from_slice(&time);
+            table.choice.extend_from_slice(&choice);
         }
+        // Rebuilding reads only the choices.
+        table.time = Vec::new();
+        table.drop_time = Vec::new();
+        table.sweep_time = Vec::new();
         Ok(table)
     }
 

@@ -187,21 +187,22 @@ struct Heuristic {
     schedule: Schedule,
 }
 
-/// [`Error::Infeasible`] below the keep-nothing schedule's peak; otherwise the fastest keep-set
-/// schedule within `budget`, lazy wherever the lazy keep-nothing schedule fits.
+/// The fastest keep-set schedule within `budget`, lazy wherever the lazy keep-nothing schedule
+/// fits; [`Error::Infeasible`] below the keep-nothing schedule's peak.
 fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> Result<Heuristic> {
-    let lowest = simulated(graph, sg, &baseline::min_memory(sg))?;
-    if budget < peak(&lowest) {
-        let min_budget = peak(&lowest).min(peak(store));
-        return Err(Error::Infeasible { budget, min_budget });
-    }
     // Lazy recomputation whenever its keep-nothing schedule fits: then the restricted model is
-    // feasible, and it is much smaller (docs/decisions.md, "Planning").
+    // feasible, and it is much smaller (docs/decisions.md, "Planning"). Only otherwise is the
+    // (slower to build) keep-nothing schedule that recomputes anywhere needed.
     let nothing = vec![false; sg.storages.len()];
     let lazy_lowest = baseline::keep_set(sg, &nothing, Recompute::Lazy);
     let recompute = if peak(&simulated(graph, sg, &lazy_lowest)?) <= budget {
         Recompute::Lazy
     } else {
+        let lowest = simulated(graph, sg, &baseline::min_memory(sg))?;
+        if budget < peak(&lowest) {
+            let min_budget = peak(&lowest).min(peak(store));
+            return Err(Error::Infeasible { budget, min_budget });
+        }
         Recompute::Anywhere
     };
     let (plan, schedule) = fastest_keep_set(graph, sg, budget, recompute)?;

@@ -179,16 +179,14 @@ impl Hierarchy {
         (forward, backward)
     }
 
-    /// The simulated schedule of the DP's sequence under memory limit `limit`, if the DP finds
-    /// one.
-    pub fn schedule_at(
+    /// The simulated schedule of a DP's sequence, if the DP found one.
+    pub fn schedule_of(
         &self,
         graph: &Graph,
         sg: &SimpleGraph,
-        limit: u64,
-        slots: usize,
+        sequence: Result<ChainSequence>,
     ) -> Result<Option<Schedule>> {
-        let Ok(sequence) = dp::solve(&self.chain, limit, slots) else {
+        let Ok(sequence) = sequence else {
             return Ok(None);
         };
         let (forward, backward) = self.groups_of(&sequence);
@@ -381,10 +379,11 @@ pub fn plan_blocks(
     // than the composed schedule (storages spanning several cuts held for the whole step), so
     // that limit may exceed the budget, and fitting is not monotone in the limit. So limits on a
     // grid from the smallest to plain PyTorch's peak, the same at every budget, and the budget
-    // itself are probed in order (on all cores) up to the first above the budget that does not
-    // fit; then the gap above the largest fitting one is cut in thirds (two probes on all cores)
-    // until narrow. The grid makes plans nearly monotone in the budget: a schedule the grid
-    // finds for a budget is found for every larger budget it fits.
+    // itself are probed in order up to the first above the budget that does not fit; then the
+    // gap above the largest fitting one is cut in thirds (two probes on all cores) until narrow.
+    // The grid makes plans nearly monotone in the budget: a schedule the grid finds for a budget
+    // is found for every larger budget it fits. Probes of limits of one slot unit share the DP's
+    // table (`dp::Solver`): the scan gives each core the limits of one unit.
     let top = plain_limit.max(min_limit);
     let mut scan: Vec<u64> = (0..=SCAN_STEPS)
         .map(|k| min_limit + (top - min_limit) / SCAN_STEPS as u64 * k as u64)
@@ -392,23 +391,37 @@ pub fn plan_blocks(
         .collect();
     scan.sort_unstable();
     scan.dedup();
-    let probe = |&limit: &u64| hierarchy.schedule_at(graph, sg, limit, slots);
+    let solver = dp::Solver::new(&hierarchy.chain, slots)?;
+    let probe = |&limit: &u64| hierarchy.schedule_of(graph, sg, solver.solve(limit));
+    // The scan's limits of one unit share the DP's table: each core takes the limits of one.
+    let units: Vec<&[u64]> = scan
+        .chunk_by(|&a, &b| solver.unit(a) == solver.unit(b))
+        .collect();
     let fine = fine_slots(slots, hierarchy.chain.len());
-    if fine > slots {
-        consider(hierarchy.schedule_at(graph, sg, budget, fine)?);
-    }
-    let mut fitting = None;
-    let cores = crate::parallel::cores();
-    'scan: for (c, chunk) in scan.chunks(cores).enumerate() {
-        for (i, schedule) in crate::parallel::map(chunk, probe).into_iter().enumerate() {
-            let k = c * cores + i;
-            if consider(schedule?) {
-                fitting = Some(k);
-            } else if scan[k] > budget {
-                break 'scan;
+    let (fine, fitting) = std::thread::scope(|scope| {
+        let fine = (fine > slots).then(|| {
+            scope.spawn(move || {
+                let sequence = dp::solve(&hierarchy.chain, budget, fine);
+                hierarchy.schedule_of(graph, sg, sequence)
+            })
+        });
+        let mut fitting = None;
+        let mut k = 0;
+        'scan: for batch in units.chunks(crate::parallel::cores()) {
+            let each = |limits: &&[u64]| limits.iter().map(probe).collect::<Vec<_>>();
+            for schedule in crate::parallel::map(batch, each).into_iter().flatten() {
+                if consider(schedule?) {
+                    fitting = Some(k);
+                } else if scan[k] > budget {
+                    break 'scan;
+                }
+                k += 1;
             }
         }
-    }
+        let fine = fine.map(|f| f.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        Ok::<_, crate::Error>((fine.transpose()?.flatten(), fitting))
+    })?;
+    consider(fine);
     let Some(k) = fitting else {
         return Ok(best);
     };

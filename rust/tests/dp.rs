@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use remat::chain::{
     notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill, Split,
 };
-use remat::dp::{limits, min_limit, solve, DEFAULT_SLOTS};
+use remat::dp::{limits, min_limit, solve, Solver, DEFAULT_SLOTS};
 use remat::Error;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -1134,5 +1134,23 @@ proptest! {
         let limit = min + ((plain - min) as f64 * level) as u64;
         let sequence = solve(&chain, limit, slots).unwrap();
         prop_assert!(chain.simulate(&sequence.ops).unwrap().peak_bytes <= limit);
+    }
+
+    /// A [`Solver`] asked for many limits (tables shared by the limits of one unit, filled for
+    /// the largest) answers each as a solve of that limit alone.
+    #[test]
+    fn a_solver_answers_each_limit_as_a_solve_alone(
+        chain in arb_chain(true).prop_flat_map(with_refills).prop_flat_map(with_splits).prop_map(scaled),
+        slots in 2..40usize,
+        levels in prop::collection::vec(-0.1..1.1f64, 1..12),
+    ) {
+        let (min, plain) = limits(&chain, slots).unwrap();
+        let solver = Solver::new(&chain, slots).unwrap();
+        for level in levels {
+            let limit = (min as f64 + (plain - min) as f64 * level) as u64;
+            let alone = solve(&chain, limit, slots).map(|s| (s.ops, s.predicted));
+            let shared = solver.solve(limit).map(|s| (s.ops, s.predicted));
+            prop_assert_eq!(shared, alone, "at {}", limit);
+        }
     }
 }

@@ -275,7 +275,7 @@ fn leaves_and_split_backwards_compose_valid_schedules() {
             let count = |f: fn(&ChainOp) -> bool| sequence.ops.iter().filter(|op| f(op)).count();
             leaves += count(|op| matches!(op, ChainOp::ForwardBackward { .. }));
             splits += count(|op| matches!(op, ChainOp::BackwardFirst { .. }));
-            let schedule = h.schedule_at(&g, &sg, limit, options.slots).unwrap();
+            let schedule = h.schedule_of(&g, &sg, Ok(sequence)).unwrap();
             assert!(schedule.is_some(), "{name} at {limit}");
         }
         assert!(leaves > 0 && splits > 0, "{name}: {leaves} FB, {splits} B1");
