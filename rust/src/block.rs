@@ -454,6 +454,7 @@ pub struct OptionSearch {
 }
 
 /// Options found for a sub-problem, and whether every ILP ended optimal.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Options {
     pub plans: Vec<OptionPlan>,
     pub status: SolverStatus,

@@ -137,7 +137,20 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
             };
             let schedule =
                 rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
-            Ok(Some(schedule.map(|s| (s, hierarchy.status))))
+            let mut best = schedule.map(|s| (s, hierarchy.status));
+            let fine = rockmate::finer_partition(&sg, &hierarchy_options, &hierarchy.partition);
+            if let Some(fine) = fine {
+                let fine =
+                    Hierarchy::reusing(graph, &sg, fine, &hierarchy_options, Some(&hierarchy))?;
+                let schedule =
+                    rockmate::plan_blocks(graph, &sg, &fine, budget, &hierarchy_options)?;
+                if let Some(s) =
+                    schedule.filter(|s| best.as_ref().is_none_or(|(b, _)| time(s) < time(b)))
+                {
+                    best = Some((s, fine.status));
+                }
+            }
+            Ok(Some(best))
         });
         let fallback = heuristic(graph, &sg, budget, &store);
         let hierarchical: Result<_> = hierarchical

@@ -37,6 +37,8 @@ pub struct Hierarchy {
     pub blocks: Vec<SubProblem>,
     /// Per block: its class (blocks with equal keys).
     pub class_of: Vec<usize>,
+    /// Per class: what its option search found.
+    pub found: Vec<block::Options>,
     /// Per class: its option plans (local group sequences).
     pub options: Vec<Vec<OptionPlan>>,
     /// Per class and option: how the block's dropped output is made again (none for rotor's
@@ -63,6 +65,17 @@ impl Hierarchy {
         partition: Partition,
         options: &HierarchyOptions,
     ) -> Result<Self> {
+        Hierarchy::reusing(graph, sg, partition, options, None)
+    }
+
+    /// [`Hierarchy::of_partition`], taking the options of classes `known` has searched from it.
+    pub fn reusing(
+        graph: &Graph,
+        sg: &SimpleGraph,
+        partition: Partition,
+        options: &HierarchyOptions,
+        known: Option<&Hierarchy>,
+    ) -> Result<Self> {
         let blocks: Vec<SubProblem> = (0..partition.len())
             .map(|b| block::sub_problem(graph, sg, &partition, b))
             .collect();
@@ -77,7 +90,13 @@ impl Hierarchy {
             }
             class_of.push(class);
         }
-        let found = search_classes(&blocks, &representatives, options);
+        let mut searched: HashMap<&str, &block::Options> = HashMap::new();
+        if let Some(known) = known {
+            for (b, sub) in known.blocks.iter().enumerate() {
+                searched.insert(sub.key.as_str(), &known.found[known.class_of[b]]);
+            }
+        }
+        let found = search_classes(&blocks, &representatives, options, &searched);
         let status = found
             .iter()
             .map(|f| f.status)
@@ -85,8 +104,8 @@ impl Hierarchy {
             .unwrap_or(SolverStatus::Optimal);
         let (class_options, refills): (Vec<_>, Vec<_>) = representatives
             .iter()
-            .zip(found)
-            .map(|(&b, found)| with_refills(&blocks[b], found.plans, !options.rotor))
+            .zip(&found)
+            .map(|(&b, found)| with_refills(&blocks[b], found.plans.clone(), !options.rotor))
             .unzip();
         let leaves: Vec<Vec<Option<Vec<usize>>>> = representatives
             .iter()
@@ -112,6 +131,7 @@ impl Hierarchy {
             partition,
             blocks,
             class_of,
+            found,
             options: class_options,
             refills,
             leaves,
@@ -201,16 +221,19 @@ impl Hierarchy {
     }
 }
 
-/// The options of each class, from its representative block: the classes' searches (per-block
-/// ILPs) run on as many threads as the machine has cores.
+/// The options of each class, from its representative block (or `searched`, by key): the
+/// classes' searches (per-block ILPs) run on as many threads as the machine has cores.
 fn search_classes(
     blocks: &[SubProblem],
     representatives: &[usize],
     options: &HierarchyOptions,
+    searched: &HashMap<&str, &block::Options>,
 ) -> Vec<block::Options> {
     let search = |b: usize| {
         let sub = &blocks[b].sg;
-        if options.rotor {
+        if let Some(&found) = searched.get(blocks[b].key.as_str()) {
+            found.clone()
+        } else if options.rotor {
             block::Options {
                 plans: vec![block::store_all_option(sub)],
                 status: SolverStatus::Optimal,
@@ -341,6 +364,29 @@ fn chain_of(
 fn fine_slots(slots: usize, len: usize) -> usize {
     let scale = (24.0 / len as f64).powi(2).clamp(1.0, 16.0);
     (slots as f64 * scale) as usize
+}
+
+/// Blocks of the finer partition are joined only up to this many forward groups.
+const FINE_JOIN_GROUPS: usize = 3;
+
+/// Most blocks of a finer partition that is planned too.
+const FINE_MAX_BLOCKS: usize = 24;
+
+/// The partition of `sg` with blocks joined only while tiny ([`FINE_JOIN_GROUPS`]), if it differs
+/// from `joined` and has at most [`FINE_MAX_BLOCKS`] blocks. Neither granularity is best
+/// everywhere: joined blocks have richer options, finer ones let the chain order more of the
+/// work (`docs/decisions.md`, "Partition"); a short chain is cheap to plan twice.
+pub fn finer_partition(
+    sg: &SimpleGraph,
+    options: &HierarchyOptions,
+    joined: &Partition,
+) -> Option<Partition> {
+    let fine = PartitionOptions {
+        join_groups: FINE_JOIN_GROUPS.min(options.partition.join_groups),
+        ..options.partition
+    };
+    let fine = partition(sg, fine);
+    (fine.forward != joined.forward && fine.len() <= FINE_MAX_BLOCKS).then_some(fine)
 }
 
 /// Steps of the grid of limits scanned from the smallest to plain PyTorch's peak.
