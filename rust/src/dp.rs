@@ -43,8 +43,10 @@
 //!
 //! Memory is discretized into about `slots` slots of a power of two bytes (0.7 to 1.4 times as
 //! many), sizes rounded *up*, so that a plan that fits in slots fits in bytes; [`Chain::simulate`] replays the result in
-//! bytes. Tables are dense and filled iteratively, by sub-chain length: `O(slots · L²)` memory
-//! and `O(slots · L³)` time.
+//! bytes. Tables are dense and filled iteratively, by sub-chain length, one row per distinct
+//! sub-chain (equal sub-chains share theirs, `Pairs`): for `P` distinct sub-chains, `O(slots · P)`
+//! memory and `O(slots · P · L)` time; `P` is up to `L² / 2`, and about `L` times the period for
+//! a chain of repeated layers.
 
 use crate::chain::{Chain, ChainOp, ChainSequence, ChainSolverInfo};
 use crate::error::{Error, Result};
@@ -387,6 +389,8 @@ struct Costs {
     sweep_options: Vec<Vec<usize>>,
     sweep_position: Vec<Vec<usize>>,
     sweep_kind_count: Vec<usize>,
+    /// The distinct sub-chains of the tables.
+    pairs: Pairs,
 }
 
 impl Costs {
@@ -481,7 +485,8 @@ impl Costs {
                 position
             })
             .collect();
-        Costs {
+        let mut costs = Costs {
+            pairs: Pairs::default(), // made from the costs below
             sweep_kind_count,
             segment,
             profiles,
@@ -507,7 +512,57 @@ impl Costs {
             options,
             next_once,
             refill_peaks,
+        };
+        costs.pairs = Pairs::new(&costs.positions());
+        costs
+    }
+
+    /// Per position `i` in `0..=L+1`: its kind, equal where everything the tables read of `x_i`,
+    /// `δ_i` and block `i` (the loss at `L`) is equal.
+    fn positions(&self) -> Vec<u32> {
+        let mut kinds: HashMap<Vec<u64>, u32> = HashMap::new();
+        (0..=self.len + 1)
+            .map(|i| {
+                let key = self.position_key(i);
+                let next = kinds.len() as u32;
+                *kinds.entry(key).or_insert(next)
+            })
+            .collect()
+    }
+
+    fn position_key(&self, i: usize) -> Vec<u64> {
+        let len = self.len;
+        let some = |v: Option<u64>| [u64::from(v.is_some()), v.unwrap_or(0)];
+        let mut key = vec![self.delta[i]];
+        if i > len {
+            return key;
         }
+        key.push(self.x[i]);
+        if i == len {
+            key.extend([u64::MAX, self.output_copy, self.loss_gradient]);
+            return key;
+        }
+        key.extend([
+            self.forward_temp[i],
+            self.forward_time[i].to_bits(),
+            u64::from(self.next_once[i] == i),
+        ]);
+        key.extend(some(self.nograd_own_peak[i]));
+        key.extend(&self.refill_peaks[i]);
+        key.push(u64::MAX);
+        for o in &self.options[i] {
+            key.extend([o.saved, o.forward_temp, o.backward_temp, o.time.to_bits()]);
+            key.extend(some(o.forward_peak));
+            key.extend(some(o.backward_peak));
+            let refill = o.refill.map(|(t, r)| [t.to_bits(), r as u64]);
+            let leaf = o.leaf.map(|(t, peak)| [t.to_bits(), peak]);
+            let split = o.split.map(|(f, b, s)| [f, b, s]);
+            key.extend(refill.map_or([u64::MAX; 2], |r| r));
+            key.extend(leaf.map_or([u64::MAX; 2], |l| l));
+            key.extend(split.map_or([u64::MAX; 3], |s| s));
+            key.push(u64::from(o.output_unread));
+        }
+        key
     }
 
     /// Memory a forward op inside `T(·, ·, b)` needs, `need` its own: with `δ_{b+1}` held, or
@@ -839,40 +894,80 @@ struct Sweep {
     time: f64,
 }
 
-/// Index of the pair `a <= b` among `0..=L`, in the order the tables are filled: by length
-/// `b - a`, then by `a`.
+/// The sub-chains `a..=b` (`a <= b` in `0..=L`) as the tables see them: pairs whose blocks, sizes
+/// and gradients are equal (equal [`Costs::positions`] from `a` to `b + 1`) have equal rows, so
+/// they share an index, in the order the tables are filled: by length `b - a`, then by `a`,
+/// each distinct sub-chain at its first pair. A chain of identical layers has a few distinct
+/// sub-chains of each length (those at its ends, and one per phase of its period), so the tables
+/// grow about linearly with its depth, not quadratically.
+#[derive(Default)]
 struct Pairs {
     n: usize,
+    /// Per pair, in the order of [`triangular`]: its index.
+    index: Vec<u32>,
+    /// Per index: its first pair.
+    first: Vec<(usize, usize)>,
 }
 
 impl Pairs {
+    /// The pairs of a chain whose positions `0..=L+1` have the kinds `positions`.
+    fn new(positions: &[u32]) -> Pairs {
+        let n = positions.len() - 1;
+        let mut index = vec![0; n * (n + 1) / 2];
+        let mut first = Vec::new();
+        // A pair is known by its kind: a pair one shorter (or, for `a = b`, the position `a`)
+        // and the next position.
+        let mut kinds: HashMap<(bool, u32, u32), u32> = HashMap::new();
+        let at = |a: usize, b: usize| triangular(n, a, b);
+        for d in 0..n {
+            for a in 0..n - d {
+                let b = a + d;
+                let kind = match d {
+                    0 => (false, positions[a], positions[a + 1]),
+                    _ => (true, index[at(a, b - 1)], positions[b + 1]),
+                };
+                let next = first.len() as u32;
+                let i = *kinds.entry(kind).or_insert(next);
+                if i == next {
+                    first.push((a, b));
+                }
+                index[at(a, b)] = i;
+            }
+        }
+        Pairs { n, index, first }
+    }
+
+    /// Number of distinct sub-chains.
     fn count(&self) -> usize {
-        self.n * (self.n + 1) / 2
+        self.first.len()
     }
 
     fn at(&self, a: usize, b: usize) -> usize {
-        let d = b - a;
-        d * self.n - d * d.saturating_sub(1) / 2 + a
+        self.index[triangular(self.n, a, b)] as usize
     }
 
-    /// The pairs in index order.
-    fn all(&self) -> impl Iterator<Item = (usize, usize)> {
-        let n = self.n;
-        (0..n).flat_map(move |d| (0..n - d).map(move |a| (a, a + d)))
+    /// The first pair of each distinct sub-chain, in index order.
+    fn all(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.first.iter().copied()
     }
+}
+
+/// Position of the pair `a <= b` among those of `0..n`, by length `b - a`, then by `a`.
+fn triangular(n: usize, a: usize, b: usize) -> usize {
+    let d = b - a;
+    d * n - d * d.saturating_sub(1) / 2 + a
 }
 
 /// The row of each `S_{p,k}(·, a, c)` among the sweep tables: `first[pair (a, c)] + p · K_c +
 /// i`, option `k` the `i`-th of the `K_c` [`Costs::sweep_options`] of block `c`.
 struct SweepRows {
-    pairs: Pairs,
     first: Vec<usize>,
     count: usize,
 }
 
 impl SweepRows {
     fn new(costs: &Costs) -> SweepRows {
-        let pairs = Pairs { n: costs.len + 1 };
+        let pairs = &costs.pairs;
         let mut first = vec![usize::MAX; pairs.count()];
         let mut count = 0;
         for (a, c) in pairs.all() {
@@ -881,29 +976,24 @@ impl SweepRows {
                 count += costs.profiles * costs.sweep_kind_count[c];
             }
         }
-        SweepRows {
-            pairs,
-            first,
-            count,
-        }
+        SweepRows { first, count }
     }
 
     fn at(&self, costs: &Costs, a: usize, c: usize, (p, k, split): Kind) -> usize {
         let kind = p * costs.sweep_kind_count[c] + costs.sweep_position[c][k];
-        self.first[self.pairs.at(a, c)] + kind + usize::from(split)
+        self.first[costs.pairs.at(a, c)] + kind + usize::from(split)
     }
 }
 
 /// The least memory (in the costs' units) with which `T(·, 0, L)` is feasible.
 fn min_memory(costs: &Costs) -> u64 {
     let len = costs.len;
-    let pairs = Pairs { n: len + 1 };
+    let pairs = &costs.pairs;
     let rows = SweepRows::new(costs);
     let mut need = vec![u64::MAX; pairs.count()];
     let mut need_s = vec![u64::MAX; rows.count];
-    for d in 0..=len {
-        for a in 0..=len - d {
-            let b = a + d;
+    for (a, b) in pairs.all() {
+        {
             for kind @ (p, k, split) in costs.sweep_kinds(a, b) {
                 need_s[rows.at(costs, a, b, kind)] = if a == b && split {
                     costs.second_peak(a, k)
@@ -993,7 +1083,6 @@ const NONE: u32 = u32::MAX;
 /// than filling the table one memory value at a time. The times are needed only while filling:
 /// a filled table keeps its choices.
 struct Table {
-    pairs: Pairs,
     width: usize,
     time: Vec<f64>,
     choice: Vec<u32>,
@@ -1009,8 +1098,8 @@ struct Table {
 }
 
 impl Table {
-    fn row(&self, a: usize, b: usize) -> std::ops::Range<usize> {
-        let start = self.pairs.at(a, b) * self.width;
+    fn row(&self, costs: &Costs, a: usize, b: usize) -> std::ops::Range<usize> {
+        let start = costs.pairs.at(a, b) * self.width;
         start..start + self.width
     }
 
@@ -1019,14 +1108,14 @@ impl Table {
         start..start + self.width
     }
 
-    fn drop_row(&self, a: usize, r: usize, b: usize) -> std::ops::Range<usize> {
-        let start = (self.drop_rows[self.pairs.at(a, b)] + r) * self.width;
+    fn drop_row(&self, costs: &Costs, a: usize, r: usize, b: usize) -> std::ops::Range<usize> {
+        let start = (self.drop_rows[costs.pairs.at(a, b)] + r) * self.width;
         start..start + self.width
     }
 
     fn fill(costs: &Costs, capacity: usize) -> Result<Table> {
         let len = costs.len;
-        let pairs = Pairs { n: len + 1 };
+        let pairs = &costs.pairs;
         let width = capacity + 1;
         let mut drop_rows = vec![usize::MAX; pairs.count()];
         let mut rows = 0;
@@ -1048,7 +1137,6 @@ impl Table {
         let plain = width * pairs.count();
         let sweeps = width * sweep_rows.count;
         let mut table = Table {
-            pairs,
             width,
             time: Vec::with_capacity(plain),
             choice: Vec::with_capacity(plain),
@@ -1061,7 +1149,7 @@ impl Table {
         };
         let mut time = vec![f64::INFINITY; width];
         let mut choice = vec![NONE; width];
-        for (a, b) in table.pairs.all() {
+        for (a, b) in pairs.all() {
             let peaks = if a < len {
                 costs.refill_peaks[a].len()
             } else {
@@ -1070,7 +1158,7 @@ impl Table {
             for r in 0..peaks {
                 if costs.has_drops(a, b) {
                     table.drop_row_fill(costs, a, r, b, &mut time, &mut choice);
-                    debug_assert_eq!(table.drop_row(a, r, b).start, table.drop_time.len());
+                    debug_assert_eq!(table.drop_row(costs, a, r, b).start, table.drop_time.len());
                     table.drop_time.extend_from_slice(&time);
                     table.drop_choice.extend_from_slice(&choice);
                 }
@@ -1085,7 +1173,7 @@ impl Table {
                 table.sweep_choice.extend_from_slice(&choice);
             }
             table.best_row(costs, a, b, &mut time, &mut choice);
-            debug_assert_eq!(table.row(a, b).start, table.time.len());
+            debug_assert_eq!(table.row(costs, a, b).start, table.time.len());
             table.time.extend_from_slice(&time);
             table.choice.extend_from_slice(&choice);
         }
@@ -1112,12 +1200,12 @@ impl Table {
             if a == b {
                 improve_from(time, choice, tag, from, option.time, &[]);
             } else {
-                let rest = (&self.time[self.row(a + 1, b)], costs.xbar(a, k, b));
+                let rest = (&self.time[self.row(costs, a + 1, b)], costs.xbar(a, k, b));
                 improve_from(time, choice, tag, from, option.time, &[rest]);
             }
             if let Some(r) = costs.drops(a, k, b) {
                 let (refill, _) = option.refill.expect("an option that refills");
-                let rest = (&self.drop_time[self.drop_row(a, r, b)], option.saved);
+                let rest = (&self.drop_time[self.drop_row(costs, a, r, b)], option.saved);
                 let cost = option.time + refill;
                 improve_from(time, choice, tag | DROP, from, cost, &[rest]);
             }
@@ -1143,17 +1231,17 @@ impl Table {
             if forward_peak as usize >= self.width {
                 break;
             }
-            let later = (&self.time[self.row(j, b)], costs.x[j]);
-            let first = (&self.time[self.row(a, j - 1)], 0);
+            let later = (&self.time[self.row(costs, j, b)], costs.x[j]);
+            let first = (&self.time[self.row(costs, a, j - 1)], 0);
             let from = forward_peak as usize;
-            improve_from(time, choice, j as u32, from, forward, &[later, first]);
+            improve_from(time, choice, (j - a) as u32, from, forward, &[later, first]);
             if j < b {
                 forward_peak = forward_peak.max(costs.nograd_peak(j, b));
                 forward += costs.forward_time[j];
             }
         }
         for (index, seg) in costs.segments(a, b).into_iter().enumerate() {
-            let later = (&self.time[self.row(seg.end, b)], seg.held);
+            let later = (&self.time[self.row(costs, seg.end, b)], seg.held);
             let (c, p, k) = (seg.end - 1, seg.profile, seg.option);
             let sweeps = self.sweep_row(costs, a, c, (p, k, false));
             let back = (&self.sweep_time[sweeps], 0);
@@ -1198,7 +1286,7 @@ impl Table {
                 &self.sweep_time[self.sweep_row(costs, a, sw.keep - 1, (p, last, false))],
                 0,
             );
-            let (tag, from) = (sw.keep as u32, sw.peak as usize);
+            let (tag, from) = ((sw.keep - a) as u32, sw.peak as usize);
             improve_from(time, choice, tag, from, sw.time, &[inner, left]);
         }
     }
@@ -1216,7 +1304,10 @@ impl Table {
         time.fill(f64::INFINITY);
         choice.fill(NONE);
         for (k2, option) in costs.options[a + 1].iter().enumerate() {
-            let rest = (&self.time[self.row(a + 2, b)], costs.xbar(a + 1, k2, b));
+            let rest = (
+                &self.time[self.row(costs, a + 2, b)],
+                costs.xbar(a + 1, k2, b),
+            );
             let from = costs.drop_peak(a, r, k2, b).0 as usize;
             improve_from(time, choice, k2 as u32, from, option.time, &[rest]);
         }
@@ -1230,7 +1321,7 @@ impl Table {
     }
 
     fn rebuild_into(&self, costs: &Costs, m: usize, a: usize, b: usize, ops: &mut Vec<ChainOp>) {
-        match self.choice[self.row(a, b).start + m] {
+        match self.choice[self.row(costs, a, b).start + m] {
             LOSS => ops.push(ChainOp::Loss),
             NONE => unreachable!("rebuilding an infeasible entry"),
             c if c & ENABLE == 0 && c & SEGMENT != 0 => {
@@ -1281,7 +1372,7 @@ impl Table {
                 ops.push(ChainOp::Backward { block: a, option });
             }
             j => {
-                let j = j as usize;
+                let j = a + j as usize;
                 debug_assert!(
                     costs.checkpoints(a, b).contains(&j),
                     "no Fn/Fck of once blocks"
@@ -1315,7 +1406,7 @@ impl Table {
             });
             return;
         }
-        let keep = keep as usize;
+        let keep = a + keep as usize;
         for l in a..keep {
             ops.push(ChainOp::Refill { block: l });
             if l > a {
@@ -1342,7 +1433,7 @@ impl Table {
         b: usize,
         ops: &mut Vec<ChainOp>,
     ) {
-        let option = self.drop_choice[self.drop_row(a, r, b).start + m];
+        let option = self.drop_choice[self.drop_row(costs, a, r, b).start + m];
         assert_ne!(option, NONE, "rebuilding an infeasible entry");
         let option = option as usize;
         ops.push(ChainOp::ForwardEnable {

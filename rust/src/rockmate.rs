@@ -76,7 +76,7 @@ impl Hierarchy {
         options: &HierarchyOptions,
         known: Option<&Hierarchy>,
     ) -> Result<Self> {
-        let blocks: Vec<SubProblem> = (0..partition.len())
+        let mut blocks: Vec<SubProblem> = (0..partition.len())
             .map(|b| block::sub_problem(graph, sg, &partition, b))
             .collect();
         let mut classes: HashMap<&str, usize> = HashMap::new();
@@ -90,6 +90,7 @@ impl Hierarchy {
             }
             class_of.push(class);
         }
+        with_class_times(&mut blocks, &class_of, representatives.len());
         let mut searched: HashMap<&str, &block::Options> = HashMap::new();
         if let Some(known) = known {
             for (b, sub) in known.blocks.iter().enumerate() {
@@ -218,6 +219,27 @@ impl Hierarchy {
         })?;
         schedule.predicted = Some(report);
         Ok(Some(schedule))
+    }
+}
+
+/// Gives each group of a block its class's mean time: identical blocks run the same ops on the
+/// same shapes, so their measured times differ by noise only, and with equal costs the DP's
+/// tables share the rows of equal sub-chains (`dp`, "Pairs").
+fn with_class_times(blocks: &mut [SubProblem], class_of: &[usize], classes: usize) {
+    let mut sums: Vec<Vec<f64>> = vec![Vec::new(); classes];
+    let mut counts = vec![0.0; classes];
+    for (sub, &class) in blocks.iter().zip(class_of) {
+        let sum = &mut sums[class];
+        sum.resize(sub.sg.groups.len(), 0.0);
+        for (s, g) in sum.iter_mut().zip(&sub.sg.groups) {
+            *s += g.time;
+        }
+        counts[class] += 1.0;
+    }
+    for (sub, &class) in blocks.iter_mut().zip(class_of) {
+        for (g, s) in sub.sg.groups.iter_mut().zip(&sums[class]) {
+            g.time = s / counts[class];
+        }
     }
 }
 

@@ -888,7 +888,9 @@ fn arb_option(own_peaks: bool) -> impl Strategy<Value = BlockOption> {
 
 /// Chains of up to 6 blocks; gradients of their own sizes half of the time, a quarter of the
 /// blocks `once`, and the last one half of the time (a model output); own peaks on blocks and
-/// options a third of the time if `own_peaks`.
+/// options a third of the time if `own_peaks`. Half of the chains repeat their first one or two
+/// blocks (sizes and gradients too), as layers do: the DP's tables share the rows of equal
+/// sub-chains.
 fn arb_chain(own_peaks: bool) -> impl Strategy<Value = Chain> {
     (1..=6usize).prop_flat_map(move |n| {
         let options = if n <= 4 { 1..=2usize } else { 1..=1usize };
@@ -914,12 +916,33 @@ fn arb_chain(own_peaks: bool) -> impl Strategy<Value = Chain> {
             blocks,
             prop::bool::weighted(0.5),
             0..3u64,
+            (
+                prop_oneof![Just(n), 1..=2usize],
+                prop::array::uniform3(prop::bool::weighted(0.8)),
+            ),
         )
-            .prop_map(|(sizes, deltas, mut blocks, last_once, extra)| {
-                blocks.last_mut().unwrap().once |= last_once;
-                let chain = Chain::new(sizes, blocks, extra).unwrap();
-                chain.with_deltas(deltas).unwrap()
-            })
+            .prop_map(
+                |(mut sizes, mut deltas, mut blocks, last_once, extra, repeats)| {
+                    // Mostly equal blocks, some of them different in one respect only.
+                    let (period, [same_sizes, same_deltas, same_once]) = repeats;
+                    for i in period..blocks.len() {
+                        let once = blocks[i].once;
+                        blocks[i] = blocks[i % period].clone();
+                        if !same_once {
+                            blocks[i].once = once;
+                        }
+                        if same_sizes {
+                            sizes[i] = sizes[i % period];
+                        }
+                        if let Some(&d) = deltas.get(i % period).filter(|_| same_deltas) {
+                            deltas[i] = d;
+                        }
+                    }
+                    blocks.last_mut().unwrap().once |= last_once;
+                    let chain = Chain::new(sizes, blocks, extra).unwrap();
+                    chain.with_deltas(deltas).unwrap()
+                },
+            )
     })
 }
 
