@@ -207,18 +207,20 @@ fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> 
     // feasible, and it is much smaller (docs/decisions.md, "Planning"). Only otherwise is the
     // (slower to build) keep-nothing schedule that recomputes anywhere needed.
     let nothing = vec![false; sg.storages.len()];
-    let lazy_lowest = baseline::keep_set(sg, &nothing, Recompute::Lazy);
-    let recompute = if peak(&simulated(graph, sg, &lazy_lowest)?) <= budget {
-        Recompute::Lazy
+    let lazy_plan = baseline::keep_set(sg, &nothing, Recompute::Lazy);
+    let lazy = simulated(graph, sg, &lazy_plan)?;
+    let (recompute, lowest) = if peak(&lazy) <= budget {
+        (Recompute::Lazy, (lazy_plan, lazy))
     } else {
-        let lowest = simulated(graph, sg, &baseline::min_memory(sg))?;
+        let plan = baseline::min_memory(sg);
+        let lowest = simulated(graph, sg, &plan)?;
         if budget < peak(&lowest) {
             let min_budget = peak(&lowest).min(peak(store));
             return Err(Error::Infeasible { budget, min_budget });
         }
-        Recompute::Anywhere
+        (Recompute::Anywhere, (plan, lowest))
     };
-    let (plan, schedule) = fastest_keep_set(graph, sg, budget, recompute)?;
+    let (plan, schedule) = fastest_keep_set(graph, sg, budget, recompute, lowest)?;
     Ok(Heuristic {
         recompute,
         plan,
@@ -259,12 +261,13 @@ fn checkmate(
 
 /// The fastest plan within `budget` of the family "keep every recomputable storage except the
 /// first `d` of [`baseline::drop_order`]", found by bisection on `d` (`d` = all is the
-/// keep-nothing plan of `recompute`, which the caller checked fits).
+/// keep-nothing plan of `recompute`, `lowest`, which the caller checked fits).
 fn fastest_keep_set(
     graph: &Graph,
     sg: &SimpleGraph,
     budget: u64,
     recompute: Recompute,
+    lowest: (StagePlan, Schedule),
 ) -> Result<(StagePlan, Schedule)> {
     let order = baseline::drop_order(sg);
     let plan_dropping = |d: usize| {
@@ -274,7 +277,7 @@ fn fastest_keep_set(
         simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
     };
     let (mut fits, mut over) = (order.len(), None);
-    let mut best = plan_dropping(fits)?;
+    let mut best = lowest;
     while over.map_or(fits > 0, |o: usize| fits > o + 1) {
         let mid = over.map_or(0, |o| (o + fits) / 2);
         let candidate = plan_dropping(mid)?;
