@@ -2,7 +2,7 @@
 //! keep-nothing recomputation (`min_memory`).
 
 use crate::expand::{Stage, StagePlan};
-use crate::simplify::{Hold, Recompute, SimpleGraph};
+use crate::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
 
 /// Plain PyTorch: each group runs once; each storage is freed after its last user.
 pub fn store_all(sg: &SimpleGraph) -> StagePlan {
@@ -23,15 +23,17 @@ pub fn store_all(sg: &SimpleGraph) -> StagePlan {
 /// of groups with a graph output); each stage recomputes the forward ancestors it needs and
 /// frees each storage right after its last use.
 pub fn min_memory(sg: &SimpleGraph) -> StagePlan {
-    keep_set(sg, &vec![false; sg.storages.len()], Recompute::Anywhere)
+    let runs = sg.stage_runs(Recompute::Anywhere);
+    keep_set(sg, &vec![false; sg.storages.len()], &runs)
 }
 
 /// Like [`min_memory`], but the storages marked in `keep` also stay alive from their production
 /// to the last stage that may need them, and so do the other outputs of their group (a group
-/// cannot run again while one of its outputs is alive). Under [`Recompute::Lazy`] the forward
-/// phase recomputes nothing: each storage stays alive at least until its last forward user.
-pub fn keep_set(sg: &SimpleGraph, keep: &[bool], scope: Recompute) -> StagePlan {
-    let stage_runs = sg.stage_runs(scope);
+/// cannot run again while one of its outputs is alive). Stages recompute within `stage_runs`
+/// (`sg.stage_runs(scope)`, shared by the plans of one scope): under [`Recompute::Lazy`] the
+/// forward phase recomputes nothing, and each storage stays alive at least until its last
+/// forward user.
+pub fn keep_set(sg: &SimpleGraph, keep: &[bool], stage_runs: &StageRuns) -> StagePlan {
     let held_group: Vec<bool> = (0..sg.groups.len())
         .map(|g| !sg.recomputable(g) || sg.groups[g].outputs.iter().any(|&s| keep[s]))
         .collect();

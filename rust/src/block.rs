@@ -475,10 +475,11 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
     let order = baseline::drop_order(sub);
     let mut keep = vec![false; sub.storages.len()];
     order.iter().for_each(|&s| keep[s] = true);
-    let mut stage_plans = vec![baseline::keep_set(sub, &keep, Recompute::Lazy)];
+    let runs = sub.stage_runs(Recompute::Lazy);
+    let mut stage_plans = vec![baseline::keep_set(sub, &keep, &runs)];
     for &s in &order {
         keep[s] = false;
-        stage_plans.push(baseline::keep_set(sub, &keep, Recompute::Lazy));
+        stage_plans.push(baseline::keep_set(sub, &keep, &runs));
     }
     let family: Vec<OptionPlan> = stage_plans.iter().map(|p| option_of(sub, p)).collect();
     let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();

@@ -9,7 +9,7 @@ use crate::ilp;
 use crate::partition::{partition, PartitionOptions};
 use crate::rockmate::{self, Hierarchy, HierarchyOptions};
 use crate::schedule::{Schedule, SolverInfo, SolverStatus};
-use crate::simplify::{simplify, Recompute, SimpleGraph};
+use crate::simplify::{simplify, Recompute, SimpleGraph, StageRuns};
 use crate::simulate::simulate;
 use std::time::Instant;
 
@@ -207,20 +207,22 @@ fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> 
     // feasible, and it is much smaller (docs/decisions.md, "Planning"). Only otherwise is the
     // (slower to build) keep-nothing schedule that recomputes anywhere needed.
     let nothing = vec![false; sg.storages.len()];
-    let lazy_plan = baseline::keep_set(sg, &nothing, Recompute::Lazy);
+    let lazy_runs = sg.stage_runs(Recompute::Lazy);
+    let lazy_plan = baseline::keep_set(sg, &nothing, &lazy_runs);
     let lazy = simulated(graph, sg, &lazy_plan)?;
-    let (recompute, lowest) = if peak(&lazy) <= budget {
-        (Recompute::Lazy, (lazy_plan, lazy))
+    let (recompute, runs, lowest) = if peak(&lazy) <= budget {
+        (Recompute::Lazy, lazy_runs, (lazy_plan, lazy))
     } else {
-        let plan = baseline::min_memory(sg);
+        let runs = sg.stage_runs(Recompute::Anywhere);
+        let plan = baseline::keep_set(sg, &nothing, &runs);
         let lowest = simulated(graph, sg, &plan)?;
         if budget < peak(&lowest) {
             let min_budget = peak(&lowest).min(peak(store));
             return Err(Error::Infeasible { budget, min_budget });
         }
-        (Recompute::Anywhere, (plan, lowest))
+        (Recompute::Anywhere, runs, (plan, lowest))
     };
-    let (plan, schedule) = fastest_keep_set(graph, sg, budget, recompute, lowest)?;
+    let (plan, schedule) = fastest_keep_set(graph, sg, budget, &runs, lowest)?;
     Ok(Heuristic {
         recompute,
         plan,
@@ -261,19 +263,19 @@ fn checkmate(
 
 /// The fastest plan within `budget` of the family "keep every recomputable storage except the
 /// first `d` of [`baseline::drop_order`]", found by bisection on `d` (`d` = all is the
-/// keep-nothing plan of `recompute`, `lowest`, which the caller checked fits).
+/// keep-nothing plan within `runs`, `lowest`, which the caller checked fits).
 fn fastest_keep_set(
     graph: &Graph,
     sg: &SimpleGraph,
     budget: u64,
-    recompute: Recompute,
+    runs: &StageRuns,
     lowest: (StagePlan, Schedule),
 ) -> Result<(StagePlan, Schedule)> {
     let order = baseline::drop_order(sg);
     let plan_dropping = |d: usize| {
         let mut keep = vec![false; sg.storages.len()];
         order[d..].iter().for_each(|&s| keep[s] = true);
-        let plan = baseline::keep_set(sg, &keep, recompute);
+        let plan = baseline::keep_set(sg, &keep, runs);
         simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
     };
     let (mut fits, mut over) = (order.len(), None);
