@@ -294,7 +294,7 @@ fn with_refills(
 }
 
 /// The chain of the partition: block sizes and deltas, each block's run without grad and its
-/// class's options costed with its own times.
+/// class's options costed with its groups' times (its class's means, [`with_class_times`]).
 fn chain_of(
     sg: &SimpleGraph,
     partition: &Partition,
