@@ -993,73 +993,71 @@ fn min_memory(costs: &Costs) -> u64 {
     let mut need = vec![u64::MAX; pairs.count()];
     let mut need_s = vec![u64::MAX; rows.count];
     for (a, b) in pairs.all() {
-        {
-            for kind @ (p, k, split) in costs.sweep_kinds(a, b) {
-                need_s[rows.at(costs, a, b, kind)] = if a == b && split {
-                    costs.second_peak(a, k)
-                } else if a == b {
-                    costs.backward_peak(a, k)
-                } else {
-                    let each = costs.sweeps(a, b, kind).into_iter().map(|sw| {
-                        let inner = need_s[rows.at(costs, sw.keep, b, kind)];
-                        let last = costs.segment_option(sw.keep - 1, p);
-                        let left = need_s[rows.at(costs, a, sw.keep - 1, (p, last, false))];
-                        sw.peak.max(sw.held.saturating_add(inner)).max(left)
-                    });
-                    each.min().expect("a sweep")
-                };
-            }
-            let best = if a == len {
-                0
+        for kind @ (p, k, split) in costs.sweep_kinds(a, b) {
+            need_s[rows.at(costs, a, b, kind)] = if a == b && split {
+                costs.second_peak(a, k)
+            } else if a == b {
+                costs.backward_peak(a, k)
             } else {
-                let dropping = |r: usize| {
-                    let later = need[pairs.at(a + 2, b)];
-                    let options = 0..costs.options[a + 1].len();
-                    let each = options.map(|k2| {
-                        let rest = costs.xbar(a + 1, k2, b).saturating_add(later);
-                        costs.drop_peak(a, r, k2, b).0.max(rest)
-                    });
-                    each.min().expect("a block has options")
-                };
-                let enable = (0..costs.options[a].len()).map(|k| {
-                    let mut rest = if a == b {
-                        0
-                    } else {
-                        costs.xbar(a, k, b) + need[pairs.at(a + 1, b)]
-                    };
-                    if let Some(r) = costs.drops(a, k, b) {
-                        let saved = costs.options[a][k].saved;
-                        rest = rest.min(saved.saturating_add(dropping(r)));
-                    }
-                    costs.enable_peak(a, k, b).max(rest)
+                let each = costs.sweeps(a, b, kind).into_iter().map(|sw| {
+                    let inner = need_s[rows.at(costs, sw.keep, b, kind)];
+                    let last = costs.segment_option(sw.keep - 1, p);
+                    let left = need_s[rows.at(costs, a, sw.keep - 1, (p, last, false))];
+                    sw.peak.max(sw.held.saturating_add(inner)).max(left)
                 });
-                let mut best = enable.min().expect("a block has options");
-                if a == b {
-                    let leaves = (0..costs.options[a].len()).filter_map(|k| costs.leaf_peak(a, k));
-                    best = leaves.fold(best, u64::min);
-                }
-                for seg in costs.segments(a, b) {
-                    let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
-                    let (c, p, k) = (seg.end - 1, seg.profile, seg.option);
-                    let back = need_s[rows.at(costs, a, c, (p, k, false))];
-                    best = best.min(seg.forward_peak.max(deep).max(back));
-                    if let Some(first) = costs.first_peak(a, c, p, k) {
-                        let back = need_s[rows.at(costs, a, c, (p, k, true))].max(first);
-                        best = best.min(seg.forward_peak.max(deep).max(back));
-                    }
-                }
-                let mut forward = costs.check_peak(a, b);
-                for j in costs.checkpoints(a, b) {
-                    let rest = (costs.x[j] + need[pairs.at(j, b)]).max(need[pairs.at(a, j - 1)]);
-                    best = best.min(forward.max(rest));
-                    if j < b {
-                        forward = forward.max(costs.nograd_peak(j, b));
-                    }
-                }
-                best
+                each.min().expect("a sweep")
             };
-            need[pairs.at(a, b)] = best;
         }
+        let best = if a == len {
+            0
+        } else {
+            let dropping = |r: usize| {
+                let later = need[pairs.at(a + 2, b)];
+                let options = 0..costs.options[a + 1].len();
+                let each = options.map(|k2| {
+                    let rest = costs.xbar(a + 1, k2, b).saturating_add(later);
+                    costs.drop_peak(a, r, k2, b).0.max(rest)
+                });
+                each.min().expect("a block has options")
+            };
+            let enable = (0..costs.options[a].len()).map(|k| {
+                let mut rest = if a == b {
+                    0
+                } else {
+                    costs.xbar(a, k, b) + need[pairs.at(a + 1, b)]
+                };
+                if let Some(r) = costs.drops(a, k, b) {
+                    let saved = costs.options[a][k].saved;
+                    rest = rest.min(saved.saturating_add(dropping(r)));
+                }
+                costs.enable_peak(a, k, b).max(rest)
+            });
+            let mut best = enable.min().expect("a block has options");
+            if a == b {
+                let leaves = (0..costs.options[a].len()).filter_map(|k| costs.leaf_peak(a, k));
+                best = leaves.fold(best, u64::min);
+            }
+            for seg in costs.segments(a, b) {
+                let deep = seg.held.saturating_add(need[pairs.at(seg.end, b)]);
+                let (c, p, k) = (seg.end - 1, seg.profile, seg.option);
+                let back = need_s[rows.at(costs, a, c, (p, k, false))];
+                best = best.min(seg.forward_peak.max(deep).max(back));
+                if let Some(first) = costs.first_peak(a, c, p, k) {
+                    let back = need_s[rows.at(costs, a, c, (p, k, true))].max(first);
+                    best = best.min(seg.forward_peak.max(deep).max(back));
+                }
+            }
+            let mut forward = costs.check_peak(a, b);
+            for j in costs.checkpoints(a, b) {
+                let rest = (costs.x[j] + need[pairs.at(j, b)]).max(need[pairs.at(a, j - 1)]);
+                best = best.min(forward.max(rest));
+                if j < b {
+                    forward = forward.max(costs.nograd_peak(j, b));
+                }
+            }
+            best
+        };
+        need[pairs.at(a, b)] = best;
     }
     need[pairs.at(0, len)]
 }
