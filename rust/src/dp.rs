@@ -22,9 +22,10 @@
 //! its first read of `x_{a+1}`) runs before `R(a)`.
 //!
 //! Or a *segment* of at most [`SEGMENT_BLOCKS`] blocks in a *profile* `p`: `Fe(a) Fe(a+1) D(a)
-//! … Fe(j-1) D(j-2)`, each block but the last with its `p`-th segment option (one that refills;
-//! per block at most [`PROFILES`], from the fastest to the least saved), the last one, whose
-//! output is kept, with an option `k` (one of at most [`PROFILES`]); then `T(m - held, j, b)`,
+//! … Fe(j-1) D(j-2)`, each block but the last with its option in profile `p` (one that refills:
+//! by rank, from the fastest to the least saved, or by a price of memory; see
+//! [`segment_profiles`]), the last one, whose output is kept, with an option `k` (one of at most
+//! [`PROFILES`]); then `T(m - held, j, b)`,
 //! then `S_{p,k}(m, a, j-1)`, the segment's backward with only `x_a` and `x_j` stored:
 //! `S_{p,k}(m, a, c)` is `B(c, k)` if `a = c`, else a sweep of refills `R(a) R(a+1) D(a) … R(i-1)
 //! D(i-2)` keeping `x_i`, then `S_{p,k}(·, i, c)` and `S_{p,k'}(m, a, i-1)` (`k'` block `i-1`'s
@@ -55,7 +56,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 /// Most blocks in a segment (`T`'s third branch): segments cost `O(slots · L² · SEGMENT_BLOCKS ·
-/// PROFILES²)`.
+/// (PROFILES + PRICED) · PROFILES)`.
 const SEGMENT_BLOCKS: usize = 8;
 
 /// Default number of memory slots (rotor's).
@@ -375,10 +376,10 @@ struct Costs {
     next_once: Vec<usize>,
     /// Per block: the distinct own peaks of its options' refills, ascending.
     refill_peaks: Vec<Vec<u64>>,
-    /// Per block: its options in segments ([`Costs::segments`], [`segment_options`]).
+    /// Per block: its option in each segment profile ([`Costs::segments`],
+    /// [`segment_profiles`]; none if no option refills).
     segment: Vec<Vec<usize>>,
-    /// Segments run in profiles: profile `p` runs each block with its `p`-th segment option (its
-    /// last if it has fewer).
+    /// Segments run in profiles: profile `p` runs each block with its option `segment[i][p]`.
     profiles: usize,
     /// Per block: its options as the last block of a segment, whose output is kept
     /// ([`last_options`]).
@@ -457,7 +458,7 @@ impl Costs {
                 next_once[a + 1]
             };
         }
-        let segment: Vec<Vec<usize>> = options.iter().map(|o| segment_options(o)).collect();
+        let segment = segment_profiles(chain, &options);
         let profiles = segment.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let last: Vec<Vec<usize>> = options.iter().map(|o| last_options(o)).collect();
         let sweep_options: Vec<Vec<usize>> = last
@@ -549,6 +550,8 @@ impl Costs {
         ]);
         key.extend(some(self.nograd_own_peak[i]));
         key.extend(&self.refill_peaks[i]);
+        key.push(u64::MAX);
+        key.extend(self.segment[i].iter().map(|&k| k as u64));
         key.push(u64::MAX);
         for o in &self.options[i] {
             key.extend([o.saved, o.forward_temp, o.backward_temp, o.time.to_bits()]);
@@ -646,20 +649,22 @@ impl Costs {
 
     /// Block `i`'s option in segment profile `p`.
     fn segment_option(&self, i: usize, p: usize) -> usize {
-        let list = &self.segment[i];
-        list[p.min(list.len() - 1)]
+        self.segment[i][p]
     }
 
     /// The segments `a..j` of `T(·, a, b)` (`Fe` of blocks `a` to `j-1`, each input but `x_a`
     /// dropped once read), by end `j` in `a+2..=b`, profile and option of block `j-1`: at most
     /// [`SEGMENT_BLOCKS`] blocks, each but the last with its option in the profile (the last
-    /// one's output is kept: any option). Profiles that run the same options are left out.
+    /// one's output is kept: any option). A profile that runs the same options on the blocks
+    /// before the last as an earlier one is left out.
     fn segments(&self, a: usize, b: usize) -> Vec<Segment> {
         let mut out = Vec::new();
         for profile in 0..self.profiles {
             let (mut saved, mut time, mut peak) = (0, 0.0, 0);
-            let mut distinct = profile == 0;
+            // Per earlier profile: whether it runs the same options on blocks `a..i`.
+            let mut same = vec![true; profile];
             for i in a..b.min(a + SEGMENT_BLOCKS) {
+                let distinct = same.iter().all(|&s| !s);
                 let input = if i > a { self.x[i] } else { 0 };
                 let step = |o: &OptionCost| {
                     let own = o.forward_need(self.x[i + 1] + o.saved);
@@ -681,7 +686,9 @@ impl Costs {
                 if self.segment[i].is_empty() {
                     break;
                 }
-                distinct |= self.segment[i].len() > profile;
+                for (q, s) in same.iter_mut().enumerate() {
+                    *s &= self.segment[i][q] == self.segment[i][profile];
+                }
                 let o = &self.options[i][self.segment_option(i, profile)];
                 peak = step(o);
                 saved += o.saved;
@@ -824,9 +831,76 @@ impl Costs {
 /// Most options of a block in segments, as their last block or in a profile.
 const PROFILES: usize = 4;
 
-/// The options of a block in segments ([`Costs::segment`]): those that refill and that no other
-/// beats in both time (with the refill's) and saved bytes, fastest first; at most [`PROFILES`],
-/// spread over them.
+/// Each block's option in each segment profile ([`Costs::segment`]; none for blocks whose
+/// options do not refill). Profiles by rank first: profile `p` runs each block's `p`-th segment
+/// option ([`segment_options`]; its last if it has fewer). Then at most [`PRICED`] profiles by a
+/// price of memory `λ`, spread over those that differ from all others: each block runs the
+/// refilling option of least time (with the refill's) plus `λ` times its saved bytes (the least
+/// saved among equals), `λ` from the points where some block's choice changes. Ranks pair the
+/// options of blocks of one class; one price keeps the choices of blocks of different classes,
+/// whose lists differ, alike (both save little, or both much).
+fn segment_profiles(chain: &Chain, options: &[Vec<OptionCost>]) -> Vec<Vec<usize>> {
+    let fronts: Vec<Vec<usize>> = options.iter().map(|o| segment_options(o)).collect();
+    let ranks = fronts.iter().map(Vec::len).max().unwrap_or(0);
+    let by_rank = |p: usize| -> Vec<Option<usize>> {
+        let pick = |f: &Vec<usize>| f.get(p.min(f.len().max(1) - 1)).copied();
+        fronts.iter().map(pick).collect()
+    };
+    let mut profiles: Vec<Vec<Option<usize>>> = (0..ranks).map(by_rank).collect();
+    // Per block: its refilling options as (option, time with the refill, saved bytes).
+    let candidates: Vec<Vec<(usize, f64, u64)>> = options
+        .iter()
+        .zip(&chain.blocks)
+        .map(|(costs, block)| {
+            let each = costs.iter().enumerate().filter_map(|(k, o)| {
+                let (refill, _) = o.refill?;
+                Some((k, o.time + refill, block.options[k].saved_bytes))
+            });
+            each.collect()
+        })
+        .collect();
+    let choose = |list: &[(usize, f64, u64)], price: f64| {
+        let cost = |&(_, time, saved): &(usize, f64, u64)| (time + price * saved as f64, saved);
+        let best = list
+            .iter()
+            .min_by(|p, q| cost(p).partial_cmp(&cost(q)).expect("finite times"));
+        best.map(|&(k, _, _)| k)
+    };
+    let mut prices = vec![0.0];
+    for list in &candidates {
+        for &(_, t1, s1) in list {
+            for &(_, t2, s2) in list {
+                if s1 < s2 && t2 < t1 {
+                    prices.push((t1 - t2) / (s2 - s1) as f64);
+                }
+            }
+        }
+    }
+    prices.sort_by(|a, b| a.partial_cmp(b).expect("finite prices"));
+    prices.dedup();
+    let mut priced: Vec<Vec<Option<usize>>> = Vec::new();
+    for &price in &prices {
+        let profile: Vec<Option<usize>> = candidates.iter().map(|l| choose(l, price)).collect();
+        if !profiles.contains(&profile) && !priced.contains(&profile) {
+            priced.push(profile);
+        }
+    }
+    if priced.len() > PRICED {
+        let last = priced.len() - 1;
+        let picks = (0..PRICED).map(|p| priced[(p * last).div_ceil(PRICED - 1)].clone());
+        priced = picks.collect();
+    }
+    profiles.extend(priced);
+    (0..options.len())
+        .map(|i| profiles.iter().filter_map(|p| p[i]).collect())
+        .collect()
+}
+
+/// Most segment profiles by a price of memory, beside those by rank.
+const PRICED: usize = 2;
+
+/// The options of a block in segments: those that refill and that no other beats in both time
+/// (with the refill's) and saved bytes, fastest first; at most [`PROFILES`], spread over them.
 fn segment_options(options: &[OptionCost]) -> Vec<usize> {
     let refills: Vec<usize> = (0..options.len())
         .filter(|&k| options[k].refill.is_some())

@@ -363,7 +363,7 @@ proptest! {
     /// chain model is weakest when a layer's inner tensors are smaller than its output: the
     /// optimum keeps them and recomputes the cheap sums from one stored input, which segments of
     /// refills express only where one profile of block options saves the right tensors (the
-    /// worst ratio is printed: 1.17 seen over 100 cases, 379 of their 400 budgets within 2%;
+    /// worst ratio is printed: 1.17 seen over 100 cases, 381 of their 400 budgets within 2%;
     /// 1.22 before leaves and split backwards, 1.32 with one option per block, 1.62 with refills
     /// alone, 2.4 before).
     #[test]
