@@ -415,3 +415,57 @@ fn report_ratios_to_the_optimum() {
     }
     eprintln!("worst ratio to the optimum: {worst:.4}");
 }
+
+/// The names of the ops a schedule runs in the backward phase.
+fn backward_names(g: &Graph, s: &Schedule) -> String {
+    let names = s.backward.iter().filter_map(|op| match op {
+        remat::Op::Compute { node } => Some(g.node(*node).name.as_str()),
+        remat::Op::Free { .. } => None,
+    });
+    names.collect::<Vec<_>>().join(" ")
+}
+
+/// One residual net, `REMAT_NET="a b time_a time_b layers hidden fraction"`: the exact ILP's and
+/// the hierarchy's backward ops, then the DP's sequence at 16 limits over the chain's range with
+/// the chain's predicted peak beside the composed schedule's (where they differ, the chain's
+/// model is coarser than the schedule). A diagnosis aid, not a check.
+#[test]
+#[ignore]
+fn report_one_net() {
+    let spec = std::env::var("REMAT_NET").unwrap_or("200 200 7 6 5 800 0.2".into());
+    let v: Vec<f64> = spec
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let kind = Layer::new(v[0] as u64, v[1] as u64, v[2], v[3]);
+    let g = residual_net(v[5] as u64, &vec![kind; v[4] as usize]);
+    let budget = budget_at(&g, v[6]);
+    let exact = PlanOptions {
+        solver: Solver::Checkmate,
+        time_limit: 60.0,
+        mip_gap: 0.0,
+        ..PlanOptions::default()
+    };
+    let best = plan(&g, budget, &exact).unwrap();
+    eprintln!("budget {budget}\noptimum {:?}", best.predicted.unwrap());
+    eprintln!("  B: {}", backward_names(&g, &best));
+    let sg = simplify(&g);
+    let mut options = PlanOptions::default().hierarchy();
+    options.partition = small_blocks();
+    let h = Hierarchy::build(&g, &sg, &options).unwrap();
+    let ours = plan_blocks(&g, &sg, &h, budget, &options).unwrap().unwrap();
+    eprintln!("hierarchy {:?}", ours.predicted.unwrap());
+    eprintln!("  B: {}", backward_names(&g, &ours));
+    let (low, high) = remat::dp::limits(&h.chain, options.slots).unwrap();
+    for k in 0..=16 {
+        let limit = low + (high - low) / 16 * k;
+        let sequence = remat::dp::solve(&h.chain, limit, options.slots).unwrap();
+        let (ops, chain) = (remat::chain::notation(&sequence.ops), sequence.predicted);
+        let composed = h.schedule_of(&g, &sg, Ok(sequence)).unwrap().unwrap();
+        let composed = composed.predicted.unwrap();
+        eprintln!(
+            "limit {limit}: time {:.2} chain peak {} composed peak {}: {ops}",
+            chain.time, chain.peak_bytes, composed.peak_bytes
+        );
+    }
+}
