@@ -7,8 +7,8 @@ use common::{budget_at, Builder};
 use proptest::prelude::*;
 use remat::graph::{Graph, OutputKind, Phase};
 use remat::partition::{partition, PartitionOptions};
-use remat::rockmate::{plan_blocks, Hierarchy};
-use remat::simplify::simplify;
+use remat::rockmate::{plan_blocks, Hierarchy, HierarchyOptions};
+use remat::simplify::{simplify, SimpleGraph};
 use remat::{plan, simulate, PlanOptions, Schedule, Solver};
 
 /// One residual layer's sizes and times: `a = f(h)`, `b = g(a)`, `h' = h + b`.
@@ -212,10 +212,7 @@ fn rockmate_and_rotor_schedules_replay_within_budget() {
 #[test]
 fn narrow_layers_drop_and_refill_their_outputs() {
     let g = residual_net(800, &[Layer::new(100, 100, 4.0, 4.0); 5]);
-    let sg = simplify(&g);
-    let mut options = PlanOptions::default().hierarchy();
-    options.partition = small_blocks();
-    let mut h = Hierarchy::build(&g, &sg, &options).unwrap();
+    let (sg, mut h, options) = small_hierarchy(&g);
     let refills: Vec<f64> = h.chain.blocks[1]
         .options
         .iter()
@@ -295,26 +292,40 @@ fn a_finer_partition_is_planned_too_when_its_chain_is_short() {
     );
 }
 
-/// The hierarchy's own schedule (no heuristic fallback) within budget, and its time.
-fn hierarchy_time(g: &Graph, budget: u64) -> Option<f64> {
+/// The hierarchy of `g` with one layer per block, and the options it was built with.
+fn small_hierarchy(g: &Graph) -> (SimpleGraph, Hierarchy, HierarchyOptions) {
     let sg = simplify(g);
     let mut options = PlanOptions::default().hierarchy();
     options.partition = small_blocks();
     let h = Hierarchy::build(g, &sg, &options).unwrap();
-    let schedule = plan_blocks(g, &sg, &h, budget, &options).unwrap()?;
-    let report = schedule.predicted.unwrap();
-    assert!(report.peak_bytes <= budget);
-    Some(report.time)
+    (sg, h, options)
 }
 
-fn optimal_time(g: &Graph, budget: u64) -> f64 {
+/// The hierarchy's own schedule (no heuristic fallback) within budget.
+fn hierarchy_schedule(g: &Graph, budget: u64) -> Option<Schedule> {
+    let (sg, h, options) = small_hierarchy(g);
+    let schedule = plan_blocks(g, &sg, &h, budget, &options).unwrap()?;
+    assert!(schedule.predicted.unwrap().peak_bytes <= budget);
+    Some(schedule)
+}
+
+fn hierarchy_time(g: &Graph, budget: u64) -> Option<f64> {
+    hierarchy_schedule(g, budget).map(|s| s.predicted.unwrap().time)
+}
+
+/// The exact whole-graph ILP's schedule.
+fn optimal_schedule(g: &Graph, budget: u64) -> Schedule {
     let exact = PlanOptions {
         solver: Solver::Checkmate,
         time_limit: 60.0,
         mip_gap: 0.0,
         ..PlanOptions::default()
     };
-    plan(g, budget, &exact).unwrap().predicted.unwrap().time
+    plan(g, budget, &exact).unwrap()
+}
+
+fn optimal_time(g: &Graph, budget: u64) -> f64 {
+    optimal_schedule(g, budget).predicted.unwrap().time
 }
 
 fn layer() -> impl Strategy<Value = Layer> {
@@ -440,22 +451,13 @@ fn report_one_net() {
     let kind = Layer::new(v[0] as u64, v[1] as u64, v[2], v[3]);
     let g = residual_net(v[5] as u64, &vec![kind; v[4] as usize]);
     let budget = budget_at(&g, v[6]);
-    let exact = PlanOptions {
-        solver: Solver::Checkmate,
-        time_limit: 60.0,
-        mip_gap: 0.0,
-        ..PlanOptions::default()
-    };
-    let best = plan(&g, budget, &exact).unwrap();
+    let best = optimal_schedule(&g, budget);
     eprintln!("budget {budget}\noptimum {:?}", best.predicted.unwrap());
     eprintln!("  B: {}", backward_names(&g, &best));
-    let sg = simplify(&g);
-    let mut options = PlanOptions::default().hierarchy();
-    options.partition = small_blocks();
-    let h = Hierarchy::build(&g, &sg, &options).unwrap();
-    let ours = plan_blocks(&g, &sg, &h, budget, &options).unwrap().unwrap();
+    let ours = hierarchy_schedule(&g, budget).expect("a hierarchical schedule within budget");
     eprintln!("hierarchy {:?}", ours.predicted.unwrap());
     eprintln!("  B: {}", backward_names(&g, &ours));
+    let (sg, h, options) = small_hierarchy(&g);
     let (low, high) = remat::dp::limits(&h.chain, options.slots).unwrap();
     for k in 0..=16 {
         let limit = low + (high - low) / 16 * k;
