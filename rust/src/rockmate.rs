@@ -4,7 +4,8 @@
 //!
 //! The DP's memory model of a block is coarser than the schedule that runs (storages spanning
 //! several blocks, last-use frees), so the composed schedule is simulated, and the DP's memory
-//! limit is searched for the fastest composed schedule whose simulated peak fits the budget.
+//! limit is searched for the fastest composed schedule whose simulated peak fits the budget;
+//! then single blocks' options are changed where that makes it faster ([`polish`]).
 
 use crate::block::{self, OptionPlan, OptionSearch, RefillPlan, SubProblem};
 use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Leaf, Refill, Split};
@@ -198,6 +199,39 @@ impl Hierarchy {
             }
         }
         (forward, backward)
+    }
+
+    /// [`Hierarchy::schedule_of`] with the sequence kept.
+    fn composed(
+        &self,
+        graph: &Graph,
+        sg: &SimpleGraph,
+        sequence: Result<ChainSequence>,
+    ) -> Result<Option<Composed>> {
+        let Ok(sequence) = sequence else {
+            return Ok(None);
+        };
+        self.composed_ops(graph, sg, sequence.ops, sequence.predicted)
+    }
+
+    fn composed_ops(
+        &self,
+        graph: &Graph,
+        sg: &SimpleGraph,
+        ops: Vec<ChainOp>,
+        chain: crate::chain::ChainReport,
+    ) -> Result<Option<Composed>> {
+        let sequence = ChainSequence {
+            ops,
+            predicted: chain,
+            solver: None,
+        };
+        let schedule = self.schedule_of(graph, sg, Ok(sequence.clone()))?;
+        Ok(schedule.map(|schedule| Composed {
+            ops: sequence.ops,
+            chain,
+            schedule,
+        }))
     }
 
     /// The simulated schedule of a DP's sequence, if the DP found one.
@@ -425,21 +459,17 @@ pub fn plan_blocks(
 ) -> Result<Option<Schedule>> {
     let slots = options.slots;
     let (min_limit, plain_limit) = dp::limits(&hierarchy.chain, slots)?;
-    let mut best: Option<Schedule> = None;
+    let mut best: Option<Composed> = None;
     // Whether a probe's schedule fits the budget; the fastest one is kept.
-    let mut consider = |schedule: Option<Schedule>| -> bool {
-        let Some(schedule) = schedule else {
+    let mut consider = |composed: Option<Composed>| -> bool {
+        let Some(composed) = composed else {
             return false;
         };
-        let report = schedule.predicted.expect("simulated");
-        if report.peak_bytes > budget {
+        if composed.report().peak_bytes > budget {
             return false;
         }
-        let better = best
-            .as_ref()
-            .is_none_or(|b| report.time < b.predicted.expect("simulated").time);
-        if better {
-            best = Some(schedule);
+        if best.as_ref().is_none_or(|b| composed.time() < b.time()) {
+            best = Some(composed);
         }
         true
     };
@@ -460,7 +490,7 @@ pub fn plan_blocks(
     scan.sort_unstable();
     scan.dedup();
     let solver = dp::Solver::new(&hierarchy.chain, slots)?;
-    let probe = |&limit: &u64| hierarchy.schedule_of(graph, sg, solver.solve(limit));
+    let probe = |&limit: &u64| hierarchy.composed(graph, sg, solver.solve(limit));
     // The scan's limits of one unit share the DP's table: each core takes the limits of one.
     let units: Vec<&[u64]> = scan
         .chunk_by(|&a, &b| solver.unit(a) == solver.unit(b))
@@ -470,7 +500,7 @@ pub fn plan_blocks(
         let fine = (fine > slots).then(|| {
             scope.spawn(move || {
                 let sequence = dp::solve(&hierarchy.chain, budget, fine);
-                hierarchy.schedule_of(graph, sg, sequence)
+                hierarchy.composed(graph, sg, sequence)
             })
         });
         let mut fitting = None;
@@ -491,7 +521,9 @@ pub fn plan_blocks(
     })?;
     consider(fine);
     let Some(k) = fitting else {
-        return Ok(best);
+        return best
+            .map(|b| polish(graph, sg, hierarchy, budget, b))
+            .transpose();
     };
     let (mut lo, mut hi) = (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k]));
     for _ in 0..options.probes / 2 {
@@ -509,5 +541,110 @@ pub fn plan_blocks(
             [false, false] => (lo, thirds[0]),
         };
     }
-    Ok(best)
+    best.map(|b| polish(graph, sg, hierarchy, budget, b))
+        .transpose()
+}
+
+/// A DP's sequence with its composed, simulated schedule.
+struct Composed {
+    ops: Vec<ChainOp>,
+    chain: crate::chain::ChainReport,
+    schedule: Schedule,
+}
+
+impl Composed {
+    fn report(&self) -> crate::simulate::Report {
+        self.schedule.predicted.expect("simulated")
+    }
+
+    fn time(&self) -> f64 {
+        self.report().time
+    }
+}
+
+/// Rounds of [`polish`] at most.
+const POLISH_ROUNDS: usize = 4;
+
+/// `best` with single blocks' options changed while that makes the composed schedule faster
+/// within `budget` (the sequence's ops stay, only one block's option changes at a time): the DP
+/// gives the blocks of a segment one profile of options, where the optimum may give each its
+/// own (`docs/decisions.md`, "Polish").
+fn polish(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    budget: u64,
+    mut best: Composed,
+) -> Result<Schedule> {
+    let chain = &hierarchy.chain;
+    for _ in 0..POLISH_ROUNDS {
+        let mut improved = false;
+        for block in 0..chain.len() {
+            for option in 0..chain.blocks[block].options.len() {
+                let ops = with_option(&best.ops, block, option);
+                if ops == best.ops {
+                    continue;
+                }
+                let Ok(report) = chain.simulate(&ops) else {
+                    continue;
+                };
+                // The chain's peak is not the composed one's, but moves with it.
+                let slack = budget - best.report().peak_bytes;
+                if report.time >= best.chain.time - 1e-9
+                    || report.peak_bytes > best.chain.peak_bytes + slack
+                {
+                    continue;
+                }
+                let Some(composed) = hierarchy.composed_ops(graph, sg, ops, report)? else {
+                    continue;
+                };
+                if composed.report().peak_bytes <= budget && composed.time() < best.time() {
+                    best = composed;
+                    improved = true;
+                }
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    Ok(best.schedule)
+}
+
+/// `ops` with block `block` run in option `option` wherever it runs with grad.
+fn with_option(ops: &[ChainOp], block: usize, option: usize) -> Vec<ChainOp> {
+    let set = |b: usize, o: usize| if b == block { option } else { o };
+    ops.iter()
+        .map(|&op| match op {
+            ChainOp::ForwardEnable {
+                block: b,
+                option: o,
+            } => ChainOp::ForwardEnable {
+                block: b,
+                option: set(b, o),
+            },
+            ChainOp::Backward {
+                block: b,
+                option: o,
+            } => ChainOp::Backward {
+                block: b,
+                option: set(b, o),
+            },
+            ChainOp::BackwardFirst {
+                block: b,
+                option: o,
+            } => ChainOp::BackwardFirst {
+                block: b,
+                option: set(b, o),
+            },
+            ChainOp::ForwardBackward {
+                block: b,
+                option: o,
+            } => ChainOp::ForwardBackward {
+                block: b,
+                option: set(b, o),
+            },
+            other => other,
+        })
+        .collect()
 }

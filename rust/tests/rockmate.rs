@@ -250,6 +250,21 @@ fn a_segment_mixes_options_to_reach_the_optimum() {
     assert!(time <= best * 1.0001, "hierarchy {time}, optimum {best}");
 }
 
+/// Narrow layers with branches of one size: the optimum's first layers of a segment save the
+/// branch whose refill is cheap (and recompute the other in their backward), the later ones the
+/// branch whose backward needs nothing more, as the first are refilled by every sweep; one
+/// profile gives all blocks of a segment one option (1.17x the optimum), the polish of single
+/// blocks' options finds the mix.
+#[test]
+fn single_blocks_take_their_own_options() {
+    let g = residual_net(800, &[Layer::new(200, 200, 7.0, 6.0); 5]);
+    let budget = budget_at(&g, 0.2);
+    let best = optimal_time(&g, budget);
+    let time = hierarchy_time(&g, budget).expect("a hierarchical schedule");
+    eprintln!("hierarchy {time}, optimum {best}");
+    assert!(time <= best * 1.02, "hierarchy {time}, optimum {best}");
+}
+
 /// Wide layers whose backward first goes through the branch's saved tensor: the optimum drops
 /// every layer's input and makes the last one's again, from the first input by a sweep, only
 /// after that part of the last backward, whose peak it then does not hold; a segment with a
@@ -370,18 +385,18 @@ proptest! {
         prop_assert!(worst <= 1.02, "hierarchy {worst:.4}x the optimum");
     }
 
-    /// Any residual layers: never faster than the optimum, and at most 1.25 times as slow. The
+    /// Any residual layers: never faster than the optimum, and at most 1.10 times as slow. The
     /// chain model is weakest when a layer's inner tensors are smaller than its output: the
     /// optimum keeps them and recomputes the cheap sums from one stored input, which segments of
-    /// refills express only where one profile of block options saves the right tensors (the
-    /// worst ratio is printed: 1.17 seen over 100 cases, 381 of their 400 budgets within 2%;
-    /// 1.22 before leaves and split backwards, 1.32 with one option per block, 1.62 with refills
-    /// alone, 2.4 before).
+    /// refills express only where profiles of block options and the polish of single blocks'
+    /// options save the right tensors (the worst ratio is printed: 1.066 seen over 100 cases,
+    /// 384 of their 400 budgets within 2%; 1.17 before the polish, 1.22 before leaves and split
+    /// backwards, 1.32 with one option per block, 1.62 with refills alone, 2.4 before).
     #[test]
     fn hierarchy_is_bounded_on_narrow_layers(kind in layer(), n in 3usize..=5, hidden in 1u64..=8) {
         let worst = worst_ratio(&residual_net(hidden * 100, &vec![kind; n]))?;
         eprintln!("any layers: worst ratio to the optimum {worst:.4}");
-        prop_assert!(worst <= 1.25, "hierarchy {worst:.4}x the optimum");
+        prop_assert!(worst <= 1.10, "hierarchy {worst:.4}x the optimum");
     }
 }
 
