@@ -8,7 +8,9 @@
 //! then single blocks' options are changed where that makes it faster ([`polish`]).
 
 use crate::block::{self, OptionPlan, OptionSearch, RefillPlan, SubProblem};
-use crate::chain::{Block, BlockOption, Chain, ChainOp, ChainSequence, Leaf, Refill, Split};
+use crate::chain::{
+    Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill, Split,
+};
 use crate::dp;
 use crate::error::Result;
 use crate::expand::schedule_of_sequence;
@@ -147,15 +149,15 @@ impl Hierarchy {
         self.options.len()
     }
 
-    /// The group sequences (forward phase, backward phase) of a chain sequence.
-    pub fn groups_of(&self, sequence: &ChainSequence) -> (Vec<usize>, Vec<usize>) {
+    /// The group sequences (forward phase, backward phase) of a chain sequence's ops.
+    pub fn groups_of(&self, ops: &[ChainOp]) -> (Vec<usize>, Vec<usize>) {
         let (mut forward, mut backward) = (Vec::new(), Vec::new());
         let mut target = &mut forward;
         // Per block: the option of its last `Fe`, whose refill `R` runs.
         let mut enabled = vec![0; self.blocks.len()];
         // Per block: where its backward's first part (`B1`) stopped.
         let mut split = vec![0; self.blocks.len()];
-        for op in &sequence.ops {
+        for op in ops {
             match *op {
                 ChainOp::ForwardNoGrad { block } | ChainOp::ForwardCheck { block } => {
                     target.extend_from_slice(&self.partition.forward[block]);
@@ -201,7 +203,18 @@ impl Hierarchy {
         (forward, backward)
     }
 
-    /// [`Hierarchy::schedule_of`] with the sequence kept.
+    /// The simulated schedule of a DP's sequence, if the DP found one.
+    pub fn schedule_of(
+        &self,
+        graph: &Graph,
+        sg: &SimpleGraph,
+        sequence: Result<ChainSequence>,
+    ) -> Result<Option<Schedule>> {
+        let composed = self.composed(graph, sg, sequence)?;
+        Ok(composed.map(|c| c.schedule))
+    }
+
+    /// [`Hierarchy::schedule_of`], the sequence kept.
     fn composed(
         &self,
         graph: &Graph,
@@ -211,40 +224,19 @@ impl Hierarchy {
         let Ok(sequence) = sequence else {
             return Ok(None);
         };
-        self.composed_ops(graph, sg, sequence.ops, sequence.predicted)
+        self.compose(graph, sg, sequence.ops, sequence.predicted)
+            .map(Some)
     }
 
-    fn composed_ops(
+    /// The simulated schedule of the chain ops `ops`, which the chain replays as `chain`.
+    fn compose(
         &self,
         graph: &Graph,
         sg: &SimpleGraph,
         ops: Vec<ChainOp>,
-        chain: crate::chain::ChainReport,
-    ) -> Result<Option<Composed>> {
-        let sequence = ChainSequence {
-            ops,
-            predicted: chain,
-            solver: None,
-        };
-        let schedule = self.schedule_of(graph, sg, Ok(sequence.clone()))?;
-        Ok(schedule.map(|schedule| Composed {
-            ops: sequence.ops,
-            chain,
-            schedule,
-        }))
-    }
-
-    /// The simulated schedule of a DP's sequence, if the DP found one.
-    pub fn schedule_of(
-        &self,
-        graph: &Graph,
-        sg: &SimpleGraph,
-        sequence: Result<ChainSequence>,
-    ) -> Result<Option<Schedule>> {
-        let Ok(sequence) = sequence else {
-            return Ok(None);
-        };
-        let (forward, backward) = self.groups_of(&sequence);
+        chain: ChainReport,
+    ) -> Result<Composed> {
+        let (forward, backward) = self.groups_of(&ops);
         let mut schedule = schedule_of_sequence(graph, sg, &forward, &backward)?;
         let report = simulate(graph, &schedule).map_err(|e| {
             crate::Error::Schedule(format!(
@@ -252,7 +244,11 @@ impl Hierarchy {
             ))
         })?;
         schedule.predicted = Some(report);
-        Ok(Some(schedule))
+        Ok(Composed {
+            ops,
+            chain,
+            schedule,
+        })
     }
 }
 
@@ -548,7 +544,7 @@ pub fn plan_blocks(
 /// A DP's sequence with its composed, simulated schedule.
 struct Composed {
     ops: Vec<ChainOp>,
-    chain: crate::chain::ChainReport,
+    chain: ChainReport,
     schedule: Schedule,
 }
 
@@ -595,9 +591,7 @@ fn polish(
                 {
                     continue;
                 }
-                let Some(composed) = hierarchy.composed_ops(graph, sg, ops, report)? else {
-                    continue;
-                };
+                let composed = hierarchy.compose(graph, sg, ops, report)?;
                 if composed.report().peak_bytes <= budget && composed.time() < best.time() {
                     best = composed;
                     improved = true;

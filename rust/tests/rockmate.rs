@@ -244,10 +244,7 @@ fn narrow_layers_drop_and_refill_their_outputs() {
 #[test]
 fn a_segment_mixes_options_to_reach_the_optimum() {
     let g = residual_net(800, &[Layer::new(600, 100, 6.0, 5.0); 3]);
-    let budget = budget_at(&g, 0.2);
-    let best = optimal_time(&g, budget);
-    let time = hierarchy_time(&g, budget).expect("a hierarchical schedule");
-    assert!(time <= best * 1.0001, "hierarchy {time}, optimum {best}");
+    assert_near_the_optimum(&g, 0.2, 1.0001);
 }
 
 /// Narrow layers with branches of one size: the optimum's first layers of a segment save the
@@ -258,11 +255,7 @@ fn a_segment_mixes_options_to_reach_the_optimum() {
 #[test]
 fn single_blocks_take_their_own_options() {
     let g = residual_net(800, &[Layer::new(200, 200, 7.0, 6.0); 5]);
-    let budget = budget_at(&g, 0.2);
-    let best = optimal_time(&g, budget);
-    let time = hierarchy_time(&g, budget).expect("a hierarchical schedule");
-    eprintln!("hierarchy {time}, optimum {best}");
-    assert!(time <= best * 1.02, "hierarchy {time}, optimum {best}");
+    assert_near_the_optimum(&g, 0.2, 1.02);
 }
 
 /// Wide layers whose backward first goes through the branch's saved tensor: the optimum drops
@@ -272,10 +265,7 @@ fn single_blocks_take_their_own_options() {
 #[test]
 fn a_split_backward_refills_its_input_after_its_peak() {
     let g = residual_net(100, &[Layer::new(300, 100, 6.0, 1.0); 3]);
-    let budget = budget_at(&g, 0.6);
-    let best = optimal_time(&g, budget);
-    let time = hierarchy_time(&g, budget).expect("a hierarchical schedule");
-    assert!(time <= best * 1.0001, "hierarchy {time}, optimum {best}");
+    assert_near_the_optimum(&g, 0.6, 1.0001);
 }
 
 /// A deep stack of narrow layers, joined two by two by the default partition: the chain of one
@@ -341,6 +331,15 @@ fn optimal_schedule(g: &Graph, budget: u64) -> Schedule {
 
 fn optimal_time(g: &Graph, budget: u64) -> f64 {
     optimal_schedule(g, budget).predicted.unwrap().time
+}
+
+/// The hierarchy's schedule at `fraction` of the budget range is at most `ratio` times the
+/// optimum's time.
+fn assert_near_the_optimum(g: &Graph, fraction: f64, ratio: f64) {
+    let budget = budget_at(g, fraction);
+    let best = optimal_time(g, budget);
+    let time = hierarchy_time(g, budget).expect("a hierarchical schedule");
+    assert!(time <= best * ratio, "hierarchy {time}, optimum {best}");
 }
 
 fn layer() -> impl Strategy<Value = Layer> {
