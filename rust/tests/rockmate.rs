@@ -388,8 +388,8 @@ proptest! {
     /// chain model is weakest when a layer's inner tensors are smaller than its output: the
     /// optimum keeps them and recomputes the cheap sums from one stored input, which segments of
     /// refills express only where profiles of block options and the polish of single blocks'
-    /// options save the right tensors (the worst ratio is printed: 1.066 seen over 100 cases,
-    /// 384 of their 400 budgets within 2%; 1.17 before the polish, 1.22 before leaves and split
+    /// options save the right tensors (the worst ratio is printed: 1.052 seen over 100 cases,
+    /// 388 of their 400 budgets within 2%; 1.17 before the polish, 1.22 before leaves and split
     /// backwards, 1.32 with one option per block, 1.62 with refills alone, 2.4 before).
     #[test]
     fn hierarchy_is_bounded_on_narrow_layers(kind in layer(), n in 3usize..=5, hidden in 1u64..=8) {
