@@ -552,15 +552,14 @@ fn polish_all(
     budget: u64,
     fitting: Vec<Composed>,
 ) -> Result<Option<Schedule>> {
-    let mut best: Option<Schedule> = None;
+    let mut best: Option<Composed> = None;
     for composed in fitting {
-        let schedule = polish(graph, sg, hierarchy, budget, composed)?;
-        let time = |s: &Schedule| s.predicted.expect("simulated").time;
-        if best.as_ref().is_none_or(|b| time(&schedule) < time(b)) {
-            best = Some(schedule);
+        let polished = polish(graph, sg, hierarchy, budget, composed)?;
+        if best.as_ref().is_none_or(|b| polished.time() < b.time()) {
+            best = Some(polished);
         }
     }
-    Ok(best)
+    Ok(best.map(|b| b.schedule))
 }
 
 /// A DP's sequence with its composed, simulated schedule.
@@ -593,7 +592,7 @@ fn polish(
     hierarchy: &Hierarchy,
     budget: u64,
     mut best: Composed,
-) -> Result<Schedule> {
+) -> Result<Composed> {
     let chain = &hierarchy.chain;
     for _ in 0..POLISH_ROUNDS {
         let mut improved = false;
@@ -624,7 +623,7 @@ fn polish(
             break;
         }
     }
-    Ok(best.schedule)
+    Ok(best)
 }
 
 /// `ops` with block `block` run in option `option` wherever it runs with grad.

@@ -451,7 +451,7 @@ fn backward_names(g: &Graph, s: &Schedule) -> String {
 }
 
 /// One residual net, `REMAT_NET="a b time_a time_b layers hidden fraction"`: the exact ILP's and
-/// the hierarchy's backward ops, then the DP's sequence at 16 limits over the chain's range with
+/// the hierarchy's backward ops, then the DP's sequence at 17 limits over the chain's range with
 /// the chain's predicted peak beside the composed schedule's (where they differ, the chain's
 /// model is coarser than the schedule). A diagnosis aid, not a check.
 #[test]
