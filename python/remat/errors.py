@@ -22,12 +22,13 @@ class SolverError(RematError):
 class InfeasibleBudget(RematError):
     """The memory budget is below the smallest budget any schedule can keep."""
 
-    def __init__(self, budget: int, min_budget: int) -> None:
+    def __init__(self, budget: int, min_budget: int, loss_bytes: int | None = None) -> None:
         self.budget = int(budget)
         self.min_budget = int(min_budget)
+        what = "model and sample" if loss_bytes is None else f"model, sample and loss ({loss_bytes} bytes, measured)"
         super().__init__(
             f"budget of {self.budget} bytes is infeasible: the smallest feasible budget for this "
-            f"model and sample is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
+            f"{what} is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
             f"pass budget >= {self.min_budget}"
         )
 

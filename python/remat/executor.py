@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .graph import JointGraph
+from .layout import in_layout
 
 _INPUT_KINDS = ("param", "buffer", "input")
 
@@ -79,7 +80,8 @@ def build_phases(g: JointGraph, schedule: dict[str, Any]) -> Phases:
     fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
     forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng)
     bwd_inputs = _graph_inputs_used(g, bwd_ops, grads)
-    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [])
+    layouts = {vid: (tuple(ph.meta["val"].shape), ph.meta["val"].stride()) for vid, ph in g.param_grads().items()}
+    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts)
     return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads)
 
 
@@ -107,8 +109,12 @@ def _emit(
     outputs: list[int],
     replayed: set[int],
     rng_outputs: list[int],
+    layouts: dict[int, tuple] | None = None,
 ) -> fx.GraphModule:
-    """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``."""
+    """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``.
+    ``layouts``: parameter gradients (value id -> the parameter's shape and strides), put in the
+    parameter's layout as soon as they are made."""
+    layouts = layouts or {}
     graph = fx.Graph()
     boxed = graph.placeholder("inputs")
     env: dict[int, fx.Node] = {}
@@ -138,6 +144,8 @@ def _emit(
             env[vid] = (
                 result if index is None else _call(graph, operator.getitem, (result, index), {}, g.values[vid].name)
             )
+            if vid in layouts:
+                env[vid] = _call(graph, in_layout, (env[vid], *layouts[vid]), {}, g.values[vid].name)
     graph.output((*[env[v] for v in outputs], *[states[n] for n in rng_outputs]))
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)

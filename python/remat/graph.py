@@ -83,6 +83,16 @@ class JointGraph:
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
+    def param_grads(self) -> dict[int, fx.Node]:
+        """Value id of each parameter's gradient output -> the parameter's placeholder."""
+        c = self.captured
+        params = {b.target: ph for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
+        return {
+            self.value_of[o]: params[b.target]
+            for o, b in zip(c.outputs, c.output_bindings)
+            if b.kind == "grad" and b.grad_of == "param" and o is not None
+        }
+
 
 def build_graph(captured: Captured, name: str) -> JointGraph:
     """Structure of the joint graph; sizes and times are filled in by ``profile``."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _core, tree
+from .boundary import Outside, Window, estimated_loss_bytes, with_outside
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
 from .executor import Phases, build_phases, device_of, save_rng_state
@@ -17,6 +21,8 @@ from .graph import JointGraph
 from .trace import graph_inputs, trace
 
 SOLVERS = ("rockmate", "rotor", "checkmate", "none")
+
+log = logging.getLogger("remat")
 
 
 class Remat(nn.Module):
@@ -38,6 +44,11 @@ class Remat(nn.Module):
         slots: memory slots of the DP over blocks (``"rockmate"``, ``"rotor"``): more is finer
             and slower.
 
+    The budget covers the whole step, the user's loss included (``remat.boundary``): the first
+    training step measures what the code between this module's forward and backward holds (the
+    loss) and which outputs get no gradient; the next call plans again with both. Until then
+    the plan holds room for a loss of a few tensors of the outputs' size.
+
     In eval mode or under ``torch.no_grad()`` the plain model runs.
     """
 
@@ -55,14 +66,25 @@ class Remat(nn.Module):
         super().__init__()
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
         self.model = model
         self.solver = solver
         args, kwargs = _as_call(sample)
         _check_device(model, args, kwargs)
         self._sample_signature = _signature(args, kwargs)
+        self._budget_arg = budget
+        self._options = _Options(solver, time_limit, mip_gap, slots)
         self._plan: _Plan | None = None
+        self._measure = _Measure()
         if solver != "none":
-            self._plan = _make_plan(model, args, kwargs, budget, solver, time_limit, mip_gap, slots)
+            self._base = trace(model, args, kwargs)
+            if budget is None:
+                self._measure.done = True
+                self._plan = _make_plan(self._base, Outside(0), None, self._options)
+            else:
+                self._plan = _first_plan(self._base, budget, self._options)
+            self._plan.measure = self._measure
 
     # What was planned, for reports and tests.
     @property
@@ -79,7 +101,7 @@ class Remat(nn.Module):
 
     @property
     def plain_peak(self) -> int | None:
-        """Predicted activation peak of plain PyTorch (no recomputation)."""
+        """Predicted activation peak of plain PyTorch (no recomputation), the loss room included."""
         return None if self._plan is None else self._plan.plain_peak
 
     @property
@@ -90,8 +112,13 @@ class Remat(nn.Module):
 
     @property
     def min_budget(self) -> int | None:
-        """The smallest budget any schedule keeps."""
+        """The smallest budget any schedule keeps, the loss room included."""
         return None if self._plan is None else self._plan.min_budget
+
+    @property
+    def outside(self) -> Outside | None:
+        """What the plan holds room for outside the graph: the loss, and outputs without gradient."""
+        return None if self._plan is None else self._plan.outside
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._plan is None or not self.training or not torch.is_grad_enabled():
@@ -102,7 +129,85 @@ class Remat(nn.Module):
                 f"{_describe(_signature(args, kwargs))}, planned for {_describe(self._sample_signature)}; "
                 "build a new Remat with a sample of the new shapes"
             )
+        self._measure.settle()
+        if self._measure.outside is not None:
+            self._plan_for_measured()
         return self._plan.run(self.model, args, kwargs)
+
+    def _plan_for_measured(self) -> None:
+        """Plan again for what the first step measured outside the graph (once)."""
+        measured, self._measure.outside = self._measure.outside, None
+        self._measure.done = True
+        planned = self._plan.outside
+        slack = self._plan.budget - self._plan.reserve - self._plan.schedule["predicted"]["peak_bytes"]
+        over = measured.loss_bytes - planned.loss_bytes
+        if over > slack:
+            warnings.warn(
+                f"remat: the first training step held {measured.loss_bytes} bytes between the model's forward "
+                f"and backward (its loss), {over} more than its plan made room for, so it may have exceeded the "
+                f"budget of {self._plan.budget} bytes by up to {over - slack} bytes; the next steps are planned "
+                "with it",
+                stacklevel=3,
+            )
+        # The plan stands where it fits and wastes little of the budget.
+        if measured.no_grad == planned.no_grad and -0.01 * self._plan.budget <= over <= slack:
+            return
+        t0 = time.perf_counter()
+        try:
+            plan = _make_plan(self._base, measured, self._budget_arg, self._options)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
+        plan.measure = self._measure
+        self._plan = plan
+        log.info(
+            "remat: planned again for the step's loss (%d bytes between forward and backward; %d outputs without "
+            "gradient) in %.2f s",
+            measured.loss_bytes,
+            len(measured.no_grad),
+            time.perf_counter() - t0,
+        )
+
+
+@dataclass(frozen=True)
+class _Options:
+    solver: str
+    time_limit: float
+    mip_gap: float
+    slots: int
+
+
+class _Measure:
+    """The first training step's measurement of what the step holds outside the graph."""
+
+    # Steps whose window is abandoned (another forward before the backward) before giving up.
+    ATTEMPTS = 3
+
+    def __init__(self) -> None:
+        self.done = False
+        self.attempts = 0
+        self.window: Window | None = None  # open, or closed and not yet removed
+        self.outside: Outside | None = None  # measured, not yet planned for
+
+    def wanted(self) -> bool:
+        return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
+
+    def settle(self) -> None:
+        """Before a forward: a window still there is removed (one still open measured nothing)."""
+        if self.window is not None:
+            self.window.remove()
+            self.window = None
+
+    def open(self, device: torch.device) -> Window | None:
+        self.attempts += 1
+        window = Window(device)
+        if not window.open():
+            return None
+        self.window = window
+        return window
+
+    def close(self, window: Window, no_grad: frozenset[int]) -> None:
+        if window is self.window:
+            self.outside = Outside(window.close(), no_grad)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:
@@ -144,6 +249,8 @@ class _Plan:
     plain_peak: int
     min_budget: int
     reserve: int  # bytes of the budget held back for RNG states and buffer copies
+    outside: Outside
+    measure: _Measure | None = None
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         tensors, _, _ = flatten_inputs(args, kwargs)
@@ -153,28 +260,43 @@ class _Plan:
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
-def _make_plan(model, args, kwargs, budget, solver: str, time_limit: float, mip_gap: float, slots: int) -> _Plan:
-    g = trace(model, args, kwargs)
+def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
+    """The plan before a step has measured the loss: room for the estimated loss, or for as much
+    of it as the budget allows."""
+    room = estimated_loss_bytes(base)
+    while True:
+        try:
+            return _make_plan(base, Outside(room), budget, options)
+        except InfeasibleBudget:
+            if room == 0:
+                raise
+            room = room // 4 if room > 1024 else 0
+
+
+def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, options: _Options) -> _Plan:
+    g = with_outside(base, outside)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
     reserve = _reserve(g)
     if budget is None:
         target = max(plain_peak, min_budget)
     elif isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
         target = int(budget * plain_peak)
     else:
         target = int(budget)
     # Plain PyTorch needs no RNG replays or buffer copies; otherwise keep room for them.
     plan_budget = target if target >= plain_peak else target - reserve
     try:
-        schedule = json.loads(_core.plan(graph_json, max(plan_budget, 0), solver, time_limit, mip_gap, slots))
+        schedule = json.loads(
+            _core.plan(
+                graph_json, max(plan_budget, 0), options.solver, options.time_limit, options.mip_gap, options.slots
+            )
+        )
     except InfeasibleBudget as exc:
         raise InfeasibleBudget(target, exc.min_budget + reserve) from None
     held_back = target - plan_budget
     phases = build_phases(g, schedule)
-    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + reserve, held_back)
+    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + reserve, held_back, outside)
 
 
 def _reserve(g: JointGraph) -> int:
@@ -196,6 +318,7 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _Plan, vids: list[int], *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
         g, phases = plan.graph, plan.phases
         by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
         result = phases.forward([by_vid[v] for v in phases.forward_inputs])
@@ -208,13 +331,19 @@ class _Step(torch.autograd.Function):
         del result
         outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        measure = plan.measure
+        ctx.window = measure.open(outs[0].device) if measure is not None and measure.wanted() else None
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
         plan: _Plan = ctx.plan
         g, phases = plan.graph, plan.phases
-        tangents = _tangents(g, grad_outputs)
+        if ctx.window is not None:
+            no_grad = frozenset(i for i, grad in enumerate(grad_outputs) if grad is None)
+            plan.measure.close(ctx.window, no_grad)
+            ctx.window = None
+        tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
         args += ctx.saved
         ctx.saved = None
@@ -245,19 +374,27 @@ def _update_buffers(g, produced, backward_inputs, by_vid) -> None:
             buf.copy_(produced[g.value_of[out]])
 
 
-def _tangents(g: JointGraph, grad_outputs) -> dict[int, torch.Tensor]:
+def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
+    """The backward phase's tangents; ``None`` for an output planned without gradient that got none."""
     c = g.captured
-    out = {}
+    out: dict[int, torch.Tensor | None] = {}
     for ph, b in zip(c.placeholders, c.bindings):
         if b.kind != "tangent":
             continue
         grad = grad_outputs[b.target]
         meta = ph.meta["val"]
+        if grad is None:  # no loss differentiates this output: zeros, as autograd would give
+            out[g.value_of[ph]] = None if b.target in no_grad else _zeros(meta)
+            continue
         if grad.stride() != meta.stride():  # e.g. an expanded scalar from .sum(): traced dense
             dense = torch.empty_strided(meta.shape, meta.stride(), dtype=grad.dtype, device=grad.device)
             grad = dense.copy_(grad)
         out[g.value_of[ph]] = grad
     return out
+
+
+def _zeros(meta: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=meta.device).zero_()
 
 
 def _grads_by_input(g: JointGraph, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from .graph import JointGraph
+from .layout import obeys_layout
 
 
 def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) -> None:
@@ -21,6 +22,7 @@ def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) ->
 
     The caller's RNG state is left as it was.
     """
+    relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
     devices = {t.device for t in inputs.values() if t.device.type == "cuda"}
     with torch.random.fork_rng(devices=list(devices)), torch.no_grad():
         env: dict[int, torch.Tensor] = dict(inputs)
@@ -43,6 +45,10 @@ def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) ->
                 new_bytes += _claim(g, vid, t, owner_of, count=True)
             if cuda:
                 node.temp_bytes = max(0, peak - before - new_bytes)
+            for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
+                param = relayout.get(vid)
+                if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):
+                    node.temp_bytes += env[vid].untyped_storage().nbytes()
             node.time = _time(fn, args, kwargs, repeats, cuda)
 
 

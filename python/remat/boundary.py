@@ -1,0 +1,233 @@
+"""What a training step holds outside remat's graph, and how the plan makes room for it.
+
+Between the end of remat's forward phase and the start of its backward phase the user's code
+runs: the loss (cross-entropy over a vocabulary keeps its log-softmax, and its backward makes two
+more tensors of the logits' size), metrics, the loss's backward. Everything the forward phase
+kept is alive meanwhile. The plan sees this as a node at the end of the forward phase, the *loss
+room*, whose output of ``loss_bytes`` is held until the backward phase starts.
+
+Outputs that no loss differentiates (the logits of a model that computes its loss inside) get no
+gradient. The plan then counts no gradient for them for the whole backward: a node of the
+backward phase makes the zeros their backward reads, where it first reads them, and the zeros
+die after their last use.
+
+Both facts are learned on the first training step (:class:`Window`); until then the loss room is
+an estimate (:func:`estimated_loss_bytes`) and every output is taken to get a gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack, _pop_mode, _push_mode
+from torch.utils._pytree import tree_leaves
+
+from .capture import Captured
+from .graph import JointGraph, build_graph
+
+# Tensors of an output's size that a usual loss holds at once: cross-entropy keeps its
+# log-softmax while its backward makes the log-softmax's gradient and then the output's.
+LOSS_TENSORS_PER_OUTPUT = 3
+
+
+@dataclass(frozen=True)
+class Outside:
+    """What the step holds outside the graph: the loss room, and the outputs without gradient."""
+
+    loss_bytes: int
+    no_grad: frozenset[int] = frozenset()  # indices of forward outputs that no loss differentiates
+
+
+def loss_room(*outputs: torch.Tensor) -> torch.Tensor:
+    """The loss room's node: it stands for the user's loss and allocates nothing itself."""
+    return outputs[0].new_empty(0)
+
+
+def tangent_or_zeros(
+    tangent: torch.Tensor | None, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: str
+) -> torch.Tensor:
+    """The gradient of an output planned without one: zeros, or the gradient if one came after all."""
+    if tangent is not None:
+        return tangent
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+
+
+def differentiable_outputs(g: JointGraph) -> dict[int, int]:
+    """Output index -> value id of the model's floating-point outputs (those a loss can differentiate)."""
+    c = g.captured
+    out = {}
+    for o, b in zip(c.outputs, c.output_bindings):
+        val = o.meta.get("val") if o is not None else None
+        if b.kind == "forward" and isinstance(val, torch.Tensor) and val.is_floating_point():
+            out[b.target] = g.value_of[o]
+    return out
+
+
+def estimated_loss_bytes(g: JointGraph) -> int:
+    """The loss room before a step has measured it: a few tensors of each differentiable output's size."""
+    outputs = [g.values[v] for v in differentiable_outputs(g).values()]
+    return LOSS_TENSORS_PER_OUTPUT * sum(_nbytes(v.source.meta["val"], v.index) for v in outputs)
+
+
+def _nbytes(val, index: int | None) -> int:
+    t = val if index is None else val[index]
+    return t.numel() * t.element_size()
+
+
+def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
+    """``base`` with the loss room and with zeros for the gradients of ``outside.no_grad``; the
+    profile of ``base`` carries over (the new nodes take no measurable time)."""
+    captured, new_values = _copy_with_outside(base, outside)
+    g = build_graph(captured, base.name)
+    _copy_profile(base, g)
+    for v in g.values:
+        if v.name in new_values:
+            kind, v.bytes = new_values[v.name]
+            v.alias_of = None
+            if kind == "loss":
+                g.outputs.append((v.id, "buffer"))
+    for ph, b in zip(captured.placeholders, captured.bindings):
+        if b.kind == "tangent" and b.target in outside.no_grad:
+            g.values[g.value_of[ph]].bytes = 0
+    return g
+
+
+def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, dict[str, tuple[str, int]]]:
+    """A copy of ``base``'s FX graph with the new nodes; their names -> (kind, bytes)."""
+    c = base.captured
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    result = graph.graph_copy(c.gm.graph, env)
+    output = graph.output(result)
+    new_values: dict[str, tuple[str, int]] = {}
+    placeholders = [env[p] for p in c.placeholders]
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for ph, b in zip(placeholders, c.bindings):
+        if b.kind != "tangent" or b.target not in outside.no_grad:
+            continue
+        val = ph.meta["val"]
+        args = (ph, tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device))
+        with graph.inserting_before(first):
+            zeros = graph.call_function(tangent_or_zeros, args)
+        zeros.meta = {"val": val, "partitioner_tag": "is_backward"}
+        ph.replace_all_uses_with(zeros, delete_user_cb=lambda user, z=zeros: user is not z)
+        new_values[zeros.name] = ("zeros", base.values[base.value_of[c.placeholders[placeholders.index(ph)]]].bytes)
+    if outside.loss_bytes > 0:
+        refs = {v: n for n, v in base.value_of.items()}
+        args = tuple(env[refs[v]] for v in differentiable_outputs(base).values())
+        with graph.inserting_before(output):
+            room = graph.call_function(loss_room, args)
+        room.meta = {"val": args[0].meta["val"], "partitioner_tag": "is_forward"}
+        new_values[room.name] = ("loss", outside.loss_bytes)
+    gm = fx.GraphModule(c.gm, graph)
+    outputs = [None if o is None else env[o] for o in c.outputs]
+    copied = Captured(gm, placeholders, c.bindings, outputs, c.output_bindings, c.out_spec, c.in_spec, c.const_leaves)
+    return copied, new_values
+
+
+def _copy_profile(base: JointGraph, g: JointGraph) -> None:
+    """Times, temporaries, bytes and aliases of ``base`` onto the nodes and values of ``g`` of the same names."""
+    nodes = {n.fx_node.name: n for n in base.nodes}
+    for n in g.nodes:
+        old = nodes.get(n.fx_node.name)
+        if old is not None:
+            n.time, n.temp_bytes = old.time, old.temp_bytes
+    values = {v.name: v for v in base.values}
+    ids = {v.name: v.id for v in g.values}
+    for v in g.values:
+        old = values.get(v.name)
+        if old is not None:
+            v.bytes = old.bytes
+            v.alias_of = None if old.alias_of is None else ids[base.values[old.alias_of].name]
+
+
+class _NewStorages(TorchDispatchMode):
+    """Follows each storage an op creates (not a view of one of its inputs) until it is released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[int, StorageWeakRef]] = {}  # data_ptr -> (bytes, ref)
+        self.bytes = self.peak = 0
+        self.active = True
+
+    def _sweep(self) -> None:
+        for ptr in [p for p, (_, ref) in self.live.items() if ref.expired()]:
+            self.bytes -= self.live.pop(ptr)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.active:
+            return out
+        self._sweep()
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes and ptr not in inputs and ptr not in self.live:
+                self.live[ptr] = (nbytes, StorageWeakRef(storage))
+                self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
+        return out
+
+
+class Window:
+    """Measures what the user's code allocates between remat's forward and backward phases: the
+    peak of the bytes created there and alive at once.
+
+    On CUDA it reads the allocator: ``torch.cuda.max_memory_allocated``, whose peak it resets
+    (only on a step that measures). On CPU a dispatch mode follows each new storage while the
+    window is open. The mode goes to the bottom of the thread's mode stack, so that modes the
+    user enters and leaves meanwhile leave in order; autograd carries it into the loss's
+    backward. It stops counting when the window closes, and leaves the stack on :meth:`remove`,
+    called outside any backward (the autograd engine restores the mode stack it started with).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tracker: _NewStorages | None = None
+        self.start_bytes = 0
+
+    def open(self) -> bool:
+        """Starts measuring; ``False`` where it cannot (under a fake or tracing mode)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return True
+        if any(torch._C._get_dispatch_mode(k) is not None for k in torch._C._TorchDispatchModeKey.__members__.values()):
+            return False
+        self.tracker = _NewStorages()
+        above = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
+        _push_mode(self.tracker)
+        for mode in reversed(above):
+            _push_mode(mode)
+        return True
+
+    def close(self) -> int:
+        """The window's peak in bytes."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self.start_bytes)
+        assert self.tracker is not None
+        self.tracker.active = False
+        return self.tracker.peak
+
+    def remove(self) -> None:
+        """Takes the CPU mode off this thread's stack (where it still is)."""
+        tracker, self.tracker = self.tracker, None
+        if tracker is None:
+            return
+        tracker.active = False
+        above = []
+        while _len_torch_dispatch_stack():
+            mode = _pop_mode()
+            if mode is tracker:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            _push_mode(mode)
