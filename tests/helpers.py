@@ -99,14 +99,15 @@ class Reference:
     """A model built by ``build`` with plain PyTorch's step on a copy of it; :meth:`check` runs a
     wrapped step from the same weights and buffers and compares it with plain PyTorch."""
 
-    def __init__(self, build) -> None:
+    def __init__(self, build, loss_fn=default_loss) -> None:
         torch.manual_seed(0)
         self.model, self.sample = build()
         self.model.train()
+        self.loss_fn = loss_fn
         self.copy = copy.deepcopy(self.model)
         # BatchNorm statistics move once per step: every step starts from the same buffers.
         self.buffers = {k: v.clone() for k, v in self.model.named_buffers()}
-        self.plain = run_step(self.copy, self.copy, self.sample)
+        self.plain = run_step(self.copy, self.copy, self.sample, loss_fn)
 
     def check(self, runner: nn.Module) -> Step:
         """One step of ``runner`` (wrapping ``self.model``): same outputs, gradients, loss and
@@ -114,7 +115,7 @@ class Reference:
         with torch.no_grad():
             for k, v in self.model.named_buffers():
                 v.copy_(self.buffers[k])
-        step = run_step(self.model, runner, self.sample)
+        step = run_step(self.model, runner, self.sample, self.loss_fn)
         assert_close_outputs(step.out, self.plain.out)
         assert_close_grads(step.grads, self.plain.grads)
         assert step.loss == pytest.approx(self.plain.loss, rel=1e-6)
