@@ -12,7 +12,7 @@ backward phase makes the zeros their backward reads, where it first reads them, 
 die after their last use.
 
 Both facts are learned on the first training step (:class:`Window`); until then the loss room is
-an estimate (:func:`estimated_loss_bytes`) and every output is taken to get a gradient.
+an estimate (:func:`estimated_outside`) and every output is taken to get a gradient.
 """
 
 from __future__ import annotations
@@ -26,18 +26,21 @@ from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_
 from torch.utils._pytree import tree_leaves
 
 from .capture import Captured
-from .graph import JointGraph, build_graph
+from .graph import JointGraph, Value, build_graph
 
 # Tensors of an output's size that a usual loss holds at once: cross-entropy keeps its
 # log-softmax while its backward makes the log-softmax's gradient and then the output's.
 LOSS_TENSORS_PER_OUTPUT = 3
+# Bytes of the loss itself and its seed gradient, held through the backward.
+LOSS_SCALARS = 64
 
 
 @dataclass(frozen=True)
 class Outside:
     """What the step holds outside the graph: the loss room, and the outputs without gradient."""
 
-    loss_bytes: int
+    loss_bytes: int  # peak between the forward and backward phases
+    held_bytes: int = 0  # of those, still held while the backward runs (the loss tensor), gradients aside
     no_grad: frozenset[int] = frozenset()  # indices of forward outputs that no loss differentiates
 
 
@@ -66,10 +69,12 @@ def differentiable_outputs(g: JointGraph) -> dict[int, int]:
     return out
 
 
-def estimated_loss_bytes(g: JointGraph) -> int:
-    """The loss room before a step has measured it: a few tensors of each differentiable output's size."""
+def estimated_outside(g: JointGraph) -> Outside:
+    """What the step holds outside the graph before a step has measured it: a few tensors of each
+    differentiable output's size, and the loss."""
     outputs = [g.values[v] for v in differentiable_outputs(g).values()]
-    return LOSS_TENSORS_PER_OUTPUT * sum(_nbytes(v.source.meta["val"], v.index) for v in outputs)
+    room = LOSS_TENSORS_PER_OUTPUT * sum(_nbytes(v.source.meta["val"], v.index) for v in outputs)
+    return Outside(room + LOSS_SCALARS, LOSS_SCALARS)
 
 
 def _nbytes(val, index: int | None) -> int:
@@ -92,6 +97,9 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     for ph, b in zip(captured.placeholders, captured.bindings):
         if b.kind == "tangent" and b.target in outside.no_grad:
             g.values[g.value_of[ph]].bytes = 0
+    if outside.held_bytes:  # counted while the backward runs, like an output's gradient
+        source = captured.placeholders[0]
+        g.values.append(Value(len(g.values), "held_by_the_loss", "tangent", source, None, outside.held_bytes))
     return g
 
 
@@ -208,14 +216,21 @@ class Window:
             _push_mode(mode)
         return True
 
-    def close(self) -> int:
-        """The window's peak in bytes."""
+    def close(self, grads: list[torch.Tensor]) -> tuple[int, int]:
+        """The window's peak, and the bytes made in it and alive now besides ``grads`` (the
+        outputs' gradients, which the plan counts already)."""
+        grad_bytes = sum(
+            s.nbytes() for s in {g.untyped_storage().data_ptr(): g.untyped_storage() for g in grads}.values()
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return max(0, torch.cuda.max_memory_allocated(self.device) - self.start_bytes)
+            now = torch.cuda.memory_allocated(self.device) - self.start_bytes
+            peak = torch.cuda.max_memory_allocated(self.device) - self.start_bytes
+            return max(0, peak), max(0, now - grad_bytes)
         assert self.tracker is not None
         self.tracker.active = False
-        return self.tracker.peak
+        self.tracker._sweep()
+        return self.tracker.peak, max(0, self.tracker.bytes - grad_bytes)
 
     def remove(self) -> None:
         """Takes the CPU mode off this thread's stack (where it still is)."""

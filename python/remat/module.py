@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _core, tree
-from .boundary import Outside, Window, estimated_loss_bytes, with_outside
+from .boundary import Outside, Window, estimated_outside, with_outside
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
 from .executor import Phases, build_phases, device_of, save_rng_state
@@ -139,19 +140,12 @@ class Remat(nn.Module):
         measured, self._measure.outside = self._measure.outside, None
         self._measure.done = True
         planned = self._plan.outside
-        slack = self._plan.budget - self._plan.reserve - self._plan.schedule["predicted"]["peak_bytes"]
-        over = measured.loss_bytes - planned.loss_bytes
-        if over > slack:
-            warnings.warn(
-                f"remat: the first training step held {measured.loss_bytes} bytes between the model's forward "
-                f"and backward (its loss), {over} more than its plan made room for, so it may have exceeded the "
-                f"budget of {self._plan.budget} bytes by up to {over - slack} bytes; the next steps are planned "
-                "with it",
-                stacklevel=3,
-            )
+        loss_over = measured.loss_bytes - planned.loss_bytes
+        held_over = measured.held_bytes - planned.held_bytes
         # The plan stands where it fits and wastes little of the budget.
-        if measured.no_grad == planned.no_grad and -0.01 * self._plan.budget <= over <= slack:
-            return
+        if measured.no_grad == planned.no_grad and max(loss_over, held_over) <= self._plan.slack():
+            if min(loss_over, held_over) >= -0.01 * self._plan.budget:
+                return
         t0 = time.perf_counter()
         try:
             plan = _make_plan(self._base, measured, self._budget_arg, self._options)
@@ -160,9 +154,10 @@ class Remat(nn.Module):
         plan.measure = self._measure
         self._plan = plan
         log.info(
-            "remat: planned again for the step's loss (%d bytes between forward and backward; %d outputs without "
-            "gradient) in %.2f s",
+            "remat: planned again for the step's loss (%d bytes between forward and backward, %d held through the "
+            "backward; %d outputs without gradient) in %.2f s",
             measured.loss_bytes,
+            measured.held_bytes,
             len(measured.no_grad),
             time.perf_counter() - t0,
         )
@@ -205,9 +200,23 @@ class _Measure:
         self.window = window
         return window
 
-    def close(self, window: Window, no_grad: frozenset[int]) -> None:
-        if window is self.window:
-            self.outside = Outside(window.close(), no_grad)
+    def close(self, window: Window, grads: tuple, plan: _Plan) -> None:
+        """Ends the window of ``plan``'s step; warns if the step went over the budget."""
+        if window is not self.window:
+            return
+        peak, held = window.close([g for g in grads if g is not None])
+        no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
+        self.outside = measured = Outside(peak, held, no_grad)
+        planned = plan.outside
+        over = max(measured.loss_bytes - planned.loss_bytes, measured.held_bytes - planned.held_bytes)
+        if over > plan.slack():
+            warnings.warn(
+                f"remat: this step's loss held {measured.loss_bytes} bytes between the model's forward and "
+                f"backward and holds {measured.held_bytes} bytes through the backward, up to {over} more than "
+                f"the plan made room for: the step may exceed the budget of {plan.budget} bytes by up to "
+                f"{over - plan.slack()} bytes; the next steps are planned with it",
+                stacklevel=2,
+            )
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:
@@ -250,7 +259,12 @@ class _Plan:
     min_budget: int
     reserve: int  # bytes of the budget held back for RNG states and buffer copies
     outside: Outside
+    copied: set[int]  # buffers whose pre-step values the backward phase keeps
     measure: _Measure | None = None
+
+    def slack(self) -> int:
+        """Bytes of the budget the plan leaves unused (the executor's reserve aside)."""
+        return self.budget - self.reserve - self.schedule["predicted"]["peak_bytes"]
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         tensors, _, _ = flatten_inputs(args, kwargs)
@@ -263,10 +277,11 @@ class _Plan:
 def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much
     of it as the budget allows."""
-    room = estimated_loss_bytes(base)
+    estimate = estimated_outside(base)
+    room = estimate.loss_bytes
     while True:
         try:
-            return _make_plan(base, Outside(room), budget, options)
+            return _make_plan(base, replace(estimate, loss_bytes=room), budget, options)
         except InfeasibleBudget:
             if room == 0:
                 raise
@@ -277,40 +292,65 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
     g = with_outside(base, outside)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
-    reserve = _reserve(g)
     if budget is None:
         target = max(plain_peak, min_budget)
     elif isinstance(budget, float):
         target = int(budget * plain_peak)
     else:
         target = int(budget)
-    # Plain PyTorch needs no RNG replays or buffer copies; otherwise keep room for them.
-    plan_budget = target if target >= plain_peak else target - reserve
+
+    def solve(held_back: int) -> dict[str, Any]:
+        budget = max(target - held_back, 0)
+        return json.loads(_core.plan(graph_json, budget, *astuple(options)))
+
+    # Plain PyTorch needs no RNG replays or buffer copies; otherwise room is held back for them:
+    # first for every random node and copied buffer, then for what the schedule replays.
+    most = _reserve(g, None)
+    held_back = 0 if target >= plain_peak else most
     try:
-        schedule = json.loads(
-            _core.plan(
-                graph_json, max(plan_budget, 0), options.solver, options.time_limit, options.mip_gap, options.slots
-            )
-        )
+        schedule = solve(held_back)
     except InfeasibleBudget as exc:
-        raise InfeasibleBudget(target, exc.min_budget + reserve) from None
-    held_back = target - plan_budget
+        raise InfeasibleBudget(target, exc.min_budget + most) from None
+    if 0 < _reserve(g, schedule) < held_back:
+        fewer = _reserve(g, schedule)
+        tighter = solve(fewer)
+        if tighter["predicted"]["peak_bytes"] + _reserve(g, tighter) <= target:
+            schedule, held_back = tighter, _reserve(g, tighter)
+    elif held_back:
+        held_back = _reserve(g, schedule)
     phases = build_phases(g, schedule)
-    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + reserve, held_back, outside)
+    copied = _buffers_to_copy(g)
+    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
 
 
-def _reserve(g: JointGraph) -> int:
-    """Bytes the executor may hold beyond the graph's values: RNG states of replayed random
-    nodes and pre-step copies of buffers the step updates."""
-    rng = sum(save_rng_state(device_of(n)).numel() for n in g.nodes if n.random and n.phase == "forward")
+def _reserve(g: JointGraph, schedule: dict[str, Any] | None) -> int:
+    """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
+    ``schedule`` runs more than once (of every random node without a schedule), and pre-step
+    copies of buffers the step updates."""
+    ops = [op for phase in ("forward", "backward") for op in (schedule or {}).get(phase, [])]
+    runs = collections.Counter(op["node"] for op in ops if op["op"] == "compute")
+    replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
+    rng = sum(save_rng_state(device_of(n)).numel() for n in replayed)
+    buffers = sum(g.values[v].bytes for v in _buffers_to_copy(g))
+    return rng + buffers
+
+
+def _buffers_to_copy(g: JointGraph) -> set[int]:
+    """Value ids of the buffers the step updates whose old values a recomputation may need.
+    A batch norm in training mode reads its running statistics only to update them, and the
+    update it makes again is dropped: its buffers need no copy."""
     c = g.captured
     mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
-    buffers = sum(
-        g.values[g.value_of[ph]].bytes
-        for ph, b in zip(c.placeholders, c.bindings)
-        if b.kind == "buffer" and b.target in mutated
-    )
-    return rng + buffers
+    buffers = {
+        g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "buffer" and b.target in mutated
+    }
+    read_otherwise = {v for n in g.nodes if not _updates_running_stats(n) for v in n.inputs}
+    return buffers & read_otherwise
+
+
+def _updates_running_stats(node) -> bool:
+    fx_node = node.fx_node
+    return fx_node.target is torch.ops.aten._native_batch_norm_legit_functional.default and fx_node.args[5] is True
 
 
 class _Step(torch.autograd.Function):
@@ -326,7 +366,7 @@ class _Step(torch.autograd.Function):
         produced = dict(zip(phases.forward_outputs, result[:n_out]))
         ctx.plan, ctx.vids = plan, vids
         ctx.inputs = {v: by_vid.get(v) for v in phases.backward_inputs}  # tangents come later
-        _update_buffers(g, produced, ctx.inputs, by_vid)
+        _update_buffers(g, produced, ctx.inputs, by_vid, plan.copied)
         ctx.saved = list(result[n_out:])
         del result
         outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
@@ -340,8 +380,7 @@ class _Step(torch.autograd.Function):
         plan: _Plan = ctx.plan
         g, phases = plan.graph, plan.phases
         if ctx.window is not None:
-            no_grad = frozenset(i for i, grad in enumerate(grad_outputs) if grad is None)
-            plan.measure.close(ctx.window, no_grad)
+            plan.measure.close(ctx.window, grad_outputs, plan)
             ctx.window = None
         tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
@@ -359,8 +398,9 @@ def _user_outputs(g: JointGraph):
     return sorted(pairs, key=lambda p: p[1].target)
 
 
-def _update_buffers(g, produced, backward_inputs, by_vid) -> None:
-    """Copy new buffer values in place, once per step; the backward phase keeps the old values."""
+def _update_buffers(g, produced, backward_inputs, by_vid, copied: set[int]) -> None:
+    """Copy new buffer values in place, once per step; the backward phase keeps the old values
+    of the buffers in ``copied``."""
     c = g.captured
     name_to_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "buffer"}
     for out, b in zip(c.outputs, c.output_bindings):
@@ -368,7 +408,7 @@ def _update_buffers(g, produced, backward_inputs, by_vid) -> None:
             continue
         vid = name_to_vid[b.target]
         buf = by_vid[vid]
-        if vid in backward_inputs:
+        if vid in backward_inputs and vid in copied:
             backward_inputs[vid] = buf.detach().clone()
         with torch.no_grad():
             buf.copy_(produced[g.value_of[out]])
