@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
@@ -172,7 +173,7 @@ class _NewStorages(TorchDispatchMode):
         self._sweep()
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or is_fake(t):
                 continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()

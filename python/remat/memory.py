@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -42,7 +43,7 @@ class _Tracker(TorchDispatchMode):
         self._sweep()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or is_fake(t):  # capture's fake tensors hold no memory
                 continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()

@@ -7,6 +7,7 @@ live value is an alias of it and costs nothing.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -19,17 +20,21 @@ from .layout import obeys_layout
 def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) -> None:
     """Run ``g`` once node by node on real tensors (``inputs``: graph input value id -> tensor)
     and fill in each node's time and temporary bytes and each value's bytes and ``alias_of``.
+    Each value is dropped after its last use, so profiling holds what plain PyTorch's step holds
+    (every output gradient aside), plus one node's outputs while it is timed.
 
     The caller's RNG state is left as it was.
     """
+    last_use = {v: i for i, node in enumerate(g.nodes) for v in (*node.inputs, *node.outputs)}
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
     devices = {t.device for t in inputs.values() if t.device.type == "cuda"}
     with torch.random.fork_rng(devices=list(devices)), torch.no_grad():
         env: dict[int, torch.Tensor] = dict(inputs)
         owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
+        holders: collections.Counter[int] = collections.Counter()  # storage data_ptr -> live values on it
         for vid, t in inputs.items():
             _claim(g, vid, t, owner_of, count=False)
-        for node in g.nodes:
+        for i, node in enumerate(g.nodes):
             args, kwargs = _node_args(g, node, env)
             fn = node.fx_node.target
             cuda = _on_cuda(node, env)
@@ -43,6 +48,7 @@ def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) ->
                 t = _element(result, g.values[vid].index)
                 env[vid] = t
                 new_bytes += _claim(g, vid, t, owner_of, count=True)
+                holders[t.untyped_storage().data_ptr()] += 1
             if cuda:
                 node.temp_bytes = max(0, peak - before - new_bytes)
             for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
@@ -50,6 +56,13 @@ def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) ->
                 if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):
                     node.temp_bytes += env[vid].untyped_storage().nbytes()
             node.time = _time(fn, args, kwargs, repeats, cuda)
+            del args, kwargs, result
+            for vid in (*node.inputs, *node.outputs):
+                if last_use[vid] == i and vid not in inputs:
+                    ptr = env.pop(vid).untyped_storage().data_ptr()
+                    holders[ptr] -= 1
+                    if not holders[ptr]:  # the storage is released: its address may be reused
+                        owner_of.pop(ptr, None)
 
 
 def _claim(g: JointGraph, vid: int, t: torch.Tensor, owner_of: dict[int, int], count: bool) -> int:

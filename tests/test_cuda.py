@@ -1,0 +1,76 @@
+"""The zoo's budget on CUDA (skipped without a GPU): a subset of the zoo, built on the GPU, keeps
+its budget measured two ways: the dispatch tracker (activation memory, gradients excluded) and
+the allocator's peak (``torch.cuda.max_memory_allocated``, which also sees op temporaries and
+the parameters' gradients, so it is held to the budget plus the gradients' bytes)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import remat
+import torch
+from helpers import assert_close_grads, call
+from zoo import ZOO
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CASES = ("gpt2", "bert", "convnext", "resnet18", "unet", "vit", "mixer")
+LEVELS = (0.6, 0.3, 0.05)
+
+
+def _step(model, runner, case):
+    model.zero_grad(set_to_none=True)
+    keep = [*model.parameters(), *model.buffers()]
+
+    def step() -> None:
+        torch.manual_seed(1)
+        case.loss(call(runner, case.sample)).backward()
+
+    tracked = remat.measure_step(step, keep).peak_bytes
+    model.zero_grad(set_to_none=True)
+    allocated = remat.cuda_peak(step)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return tracked, allocated, grads
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zoo_on_cuda_keeps_the_budget(name: str) -> None:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        case = ZOO[name]()
+    model = case.model
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def reset() -> None:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
+
+    _, plain_allocated, plain_grads = _step(model, model, case)
+    probe = remat.Remat(model, case.sample, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reset()
+        _step(model, probe, case)
+    low, high = probe.min_budget, probe.plain_peak
+    rows = []
+    for level in LEVELS:
+        budget = int(low + level * (high - low))
+        rm = remat.Remat(model, case.sample, budget)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reset()
+            _step(model, rm, case)  # the first step measures the loss
+        reset()
+        tracked, allocated, grads = _step(model, rm, case)
+        rows.append((level, budget, rm.schedule["predicted"]["peak_bytes"] + rm.reserve, tracked, allocated))
+        assert_close_grads(grads, plain_grads, rtol=1e-4, atol=1e-5)
+    print(f"\n{name} on CUDA: plain allocator peak {plain_allocated} B, parameter gradients {grad_bytes} B")
+    print("   level, budget, predicted, tracked, allocator")
+    for row in rows:
+        print("  ", *row)
+    for level, budget, _, tracked, allocated in rows:
+        assert tracked <= budget, (name, level, tracked, budget)
+        assert allocated <= budget + grad_bytes, (name, level, allocated, budget + grad_bytes)
