@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import _core, tree
-from .boundary import Outside, Window, estimated_outside, with_outside
+from .boundary import Outside, Window, differentiable_outputs, estimated_outside, with_outside
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
 from .executor import Phases, build_phases, device_of, save_rng_state
@@ -276,7 +276,8 @@ class _Plan:
 
 def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much
-    of it as the budget allows."""
+    of it as the budget allows; where even none fits, the plan assumes no output gets a gradient
+    (the loss is inside the model), which the first step checks."""
     estimate = estimated_outside(base)
     room = estimate.loss_bytes
     while True:
@@ -284,8 +285,10 @@ def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Pl
             return _make_plan(base, replace(estimate, loss_bytes=room), budget, options)
         except InfeasibleBudget:
             if room == 0:
-                raise
+                break
             room = room // 4 if room > 1024 else 0
+    no_grad = frozenset(differentiable_outputs(base))
+    return _make_plan(base, replace(estimate, loss_bytes=0, no_grad=no_grad), budget, options)
 
 
 def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, options: _Options) -> _Plan:
