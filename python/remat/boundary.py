@@ -18,6 +18,7 @@ an estimate (:func:`estimated_outside`) and every output is taken to get a gradi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -89,12 +90,16 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     captured, new_values = _copy_with_outside(base, outside)
     g = build_graph(captured, base.name)
     _copy_profile(base, g)
+    ids = {v.name: v.id for v in g.values}
+    replaced = {ids[name]: ids[zeros] for name, (kind, zeros) in new_values.items() if kind == "tangent"}
     for v in g.values:
-        if v.name in new_values:
-            kind, v.bytes = new_values[v.name]
-            v.alias_of = None
-            if kind == "loss":
-                g.outputs.append((v.id, "buffer"))
+        if v.alias_of in replaced:  # a view of a gradient now made by its zeros node
+            v.alias_of = replaced[v.alias_of]
+        kind, made = new_values.get(v.name, ("", 0))
+        if kind in ("zeros", "loss"):
+            v.bytes, v.alias_of = made, None
+        if kind == "loss":
+            g.outputs.append((v.id, "buffer"))
     for ph, b in zip(captured.placeholders, captured.bindings):
         if b.kind == "tangent" and b.target in outside.no_grad:
             g.values[g.value_of[ph]].bytes = 0
@@ -104,8 +109,9 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     return g
 
 
-def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, dict[str, tuple[str, int]]]:
-    """A copy of ``base``'s FX graph with the new nodes; their names -> (kind, bytes)."""
+def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, dict[str, tuple[str, Any]]]:
+    """A copy of ``base``'s FX graph with the new nodes; their names -> (kind, bytes), and each
+    replaced tangent's name -> ("tangent", its zeros node's name)."""
     c = base.captured
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -124,6 +130,7 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
         zeros.meta = {"val": val, "partitioner_tag": "is_backward"}
         ph.replace_all_uses_with(zeros, delete_user_cb=lambda user, z=zeros: user is not z)
         new_values[zeros.name] = ("zeros", base.values[base.value_of[c.placeholders[placeholders.index(ph)]]].bytes)
+        new_values[ph.name] = ("tangent", zeros.name)
     if outside.loss_bytes > 0:
         refs = {v: n for n, v in base.value_of.items()}
         args = tuple(env[refs[v]] for v in differentiable_outputs(base).values())
