@@ -34,6 +34,7 @@ def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) ->
         holders: collections.Counter[int] = collections.Counter()  # storage data_ptr -> live values on it
         for vid, t in inputs.items():
             _claim(g, vid, t, owner_of, count=False)
+            holders[t.untyped_storage().data_ptr()] += 1  # graph inputs are never dropped
         for i, node in enumerate(g.nodes):
             args, kwargs = _node_args(g, node, env)
             fn = node.fx_node.target
