@@ -85,6 +85,23 @@ def assert_close_outputs(a: Any, b: Any, rtol=1e-5, atol=1e-6) -> None:
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
+def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``Remat`` built from now on in the test plans on the first capture's graph: on CPU
+    each capture times its ops anew, and plans of differently timed graphs need not be monotone
+    in the budget."""
+    import remat.module
+    from remat.trace import trace
+
+    traced = {}
+
+    def once(model, args, kwargs):
+        if "graph" not in traced:
+            traced["graph"] = trace(model, args, kwargs)
+        return traced["graph"]
+
+    monkeypatch.setattr(remat.module, "trace", once)
+
+
 def budget_of(probe: remat.Remat, level: float) -> int:
     """The budget ``level`` of the way from ``probe``'s smallest feasible one (0) to plain's peak (1)."""
     return int(probe.min_budget + level * (probe.plain_peak - probe.min_budget))

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import remat
-import remat.module
-from helpers import OUTSIDE_MODEL_SLACK, Reference, budget_of
+from helpers import OUTSIDE_MODEL_SLACK, Reference, budget_of, trace_once
 from models import MODELS
-from remat.trace import trace
 
 # Where between the smallest feasible budget (0) and plain PyTorch's peak (1) each budget lies.
 LEVELS = (None, 0.6, 0.3, 0.05)
@@ -16,16 +14,7 @@ LEVELS = (None, 0.6, 0.3, 0.05)
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_budgets_keep_results_and_memory(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every budget is planned on the first capture's graph: on CPU each capture times its ops
-    # anew, and plans of differently timed graphs need not be monotone in the budget.
-    traced = {}
-
-    def trace_once(model, args, kwargs):
-        if "graph" not in traced:
-            traced["graph"] = trace(model, args, kwargs)
-        return traced["graph"]
-
-    monkeypatch.setattr(remat.module, "trace", trace_once)
+    trace_once(monkeypatch)
     ref = Reference(MODELS[name])
     first = remat.Remat(ref.model, ref.sample, None)
     assert first.min_budget <= first.plain_peak

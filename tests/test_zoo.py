@@ -10,9 +10,7 @@ import warnings
 
 import pytest
 import remat
-import remat.module
-from helpers import Reference
-from remat.trace import trace
+from helpers import Reference, trace_once
 from zoo import ZOO
 
 # Where between the smallest feasible budget (0) and plain PyTorch's peak (1) each budget lies.
@@ -23,22 +21,15 @@ PREDICTION = 0.10
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_keeps_the_budget_with_the_loss_outside(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = {}
+
     def build():
-        case = ZOO[name]()
-        build.loss = case.loss
-        return case.model, case.sample
+        case["case"] = ZOO[name]()
+        return case["case"].model, case["case"].sample
 
-    # The loss's targets are made with the model: build once to get the loss, then compare with it.
-    ref = Reference(_first(build), loss_fn=lambda out: build.loss(out))
-    # Every budget is planned on one capture's graph: on CPU each capture times its ops anew.
-    traced = {}
-
-    def trace_once(model, args, kwargs):
-        if "graph" not in traced:
-            traced["graph"] = trace(model, args, kwargs)
-        return traced["graph"]
-
-    monkeypatch.setattr(remat.module, "trace", trace_once)
+    # The loss's targets are made with the model, built (and seeded) by Reference.
+    ref = Reference(build, loss_fn=lambda out: case["case"].loss(out))
+    trace_once(monkeypatch)
     # The feasible range with this loss: measured by one step of a plan at plain PyTorch's peak.
     probe = remat.Remat(ref.model, ref.sample, 1.0)
     with warnings.catch_warnings():
@@ -70,8 +61,3 @@ def test_zoo_keeps_the_budget_with_the_loss_outside(name: str, monkeypatch: pyte
         assert first <= budget or warned, f"{name} at {level}: first step {first} > {budget} without a warning"
         assert abs(later - predicted) <= PREDICTION * later, (name, level, predicted, later)
     assert rows[-1][4] < ref.plain.peak, f"the lowest budget did not lower the peak below plain PyTorch's: {rows}"
-
-
-def _first(build):
-    """``build`` as a zero-argument builder for :class:`Reference` (which seeds before calling it)."""
-    return lambda: build()

@@ -120,7 +120,7 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
     new_values: dict[str, tuple[str, int]] = {}
     placeholders = [env[p] for p in c.placeholders]
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    for ph, b in zip(placeholders, c.bindings):
+    for original, ph, b in zip(c.placeholders, placeholders, c.bindings):
         if b.kind != "tangent" or b.target not in outside.no_grad:
             continue
         val = ph.meta["val"]
@@ -129,7 +129,7 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
             zeros = graph.call_function(tangent_or_zeros, args)
         zeros.meta = {"val": val, "partitioner_tag": "is_backward"}
         ph.replace_all_uses_with(zeros, delete_user_cb=lambda user, z=zeros: user is not z)
-        new_values[zeros.name] = ("zeros", base.values[base.value_of[c.placeholders[placeholders.index(ph)]]].bytes)
+        new_values[zeros.name] = ("zeros", base.values[base.value_of[original]].bytes)
         new_values[ph.name] = ("tangent", zeros.name)
     if outside.loss_bytes > 0:
         refs = {v: n for n, v in base.value_of.items()}

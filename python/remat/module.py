@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import _core, tree
-from .boundary import Outside, Window, differentiable_outputs, estimated_outside, with_outside
+from .boundary import Outside, Window, differentiable_outputs, estimated_outside, tangent_or_zeros, with_outside
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
 from .executor import Phases, build_phases, device_of, save_rng_state
@@ -308,34 +308,33 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
 
     # Plain PyTorch needs no RNG replays or buffer copies; otherwise room is held back for them:
     # first for every random node and copied buffer, then for what the schedule replays.
-    most = _reserve(g, None)
+    copied = _buffers_to_copy(g)
+    most = _reserve(g, None, copied)
     held_back = 0 if target >= plain_peak else most
     try:
         schedule = solve(held_back)
     except InfeasibleBudget as exc:
         raise InfeasibleBudget(target, exc.min_budget + most) from None
-    if 0 < _reserve(g, schedule) < held_back:
-        fewer = _reserve(g, schedule)
-        tighter = solve(fewer)
-        if tighter["predicted"]["peak_bytes"] + _reserve(g, tighter) <= target:
-            schedule, held_back = tighter, _reserve(g, tighter)
-    elif held_back:
-        held_back = _reserve(g, schedule)
+    if held_back:
+        held_back = _reserve(g, schedule, copied)
+        if 0 < held_back < most:
+            tighter = solve(held_back)
+            tighter_reserve = _reserve(g, tighter, copied)
+            if tighter["predicted"]["peak_bytes"] + tighter_reserve <= target:
+                schedule, held_back = tighter, tighter_reserve
     phases = build_phases(g, schedule)
-    copied = _buffers_to_copy(g)
     return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
 
 
-def _reserve(g: JointGraph, schedule: dict[str, Any] | None) -> int:
+def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:
     """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
-    ``schedule`` runs more than once (of every random node without a schedule), and pre-step
-    copies of buffers the step updates."""
+    ``schedule`` runs more than once (of every random node without a schedule), and the pre-step
+    copies of the buffers in ``copied``."""
     ops = [op for phase in ("forward", "backward") for op in (schedule or {}).get(phase, [])]
     runs = collections.Counter(op["node"] for op in ops if op["op"] == "compute")
     replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
     rng = sum(save_rng_state(device_of(n)).numel() for n in replayed)
-    buffers = sum(g.values[v].bytes for v in _buffers_to_copy(g))
-    return rng + buffers
+    return rng + sum(g.values[v].bytes for v in copied)
 
 
 def _buffers_to_copy(g: JointGraph) -> set[int]:
@@ -427,17 +426,15 @@ def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int,
         grad = grad_outputs[b.target]
         meta = ph.meta["val"]
         if grad is None:  # no loss differentiates this output: zeros, as autograd would give
-            out[g.value_of[ph]] = None if b.target in no_grad else _zeros(meta)
+            if b.target not in no_grad:
+                grad = tangent_or_zeros(None, tuple(meta.shape), meta.stride(), meta.dtype, str(meta.device))
+            out[g.value_of[ph]] = grad
             continue
         if grad.stride() != meta.stride():  # e.g. an expanded scalar from .sum(): traced dense
             dense = torch.empty_strided(meta.shape, meta.stride(), dtype=grad.dtype, device=grad.device)
             grad = dense.copy_(grad)
         out[g.value_of[ph]] = grad
     return out
-
-
-def _zeros(meta: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=meta.device).zero_()
 
 
 def _grads_by_input(g: JointGraph, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
