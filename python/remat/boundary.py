@@ -11,12 +11,17 @@ gradient. The plan then counts no gradient for them for the whole backward: a no
 backward phase makes the zeros their backward reads, where it first reads them, and the zeros
 die after their last use.
 
-Both facts are learned on the first training step (:class:`Window`); until then the loss room is
-an estimate (:func:`estimated_outside`) and every output is taken to get a gradient.
+Outputs the user no longer holds when the backward starts (``model(x).loss.backward()`` drops the
+logits once the loss is read) are *released*: the plan keeps them to the loss room, which reads
+them, and no longer; the backward holds them only where it reads them itself.
+
+These facts are learned on the first training step (:class:`Window`); until then the loss room is
+an estimate (:func:`estimated_outside`), every output is taken to get a gradient and to be held.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +49,7 @@ class Outside:
     loss_bytes: int  # peak between the forward and backward phases
     held_bytes: int = 0  # of those, still held while the backward runs (the loss tensor), gradients aside
     no_grad: frozenset[int] = frozenset()  # indices of forward outputs that no loss differentiates
+    released: frozenset[int] = frozenset()  # indices of forward outputs not held once the backward starts
 
 
 def loss_room(*outputs: torch.Tensor) -> torch.Tensor:
@@ -60,6 +66,23 @@ def tangent_or_zeros(
     return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
 
 
+def add_or_pass(tangent: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """``tangent + other`` for a gradient planned without one: ``other`` itself where none came."""
+    return other if tangent is None else torch.add(tangent, other)
+
+
+def _adds_to_same_shape(node: fx.Node, tangent: fx.Node) -> bool:
+    """Whether ``node`` is ``tangent + x`` (or ``x + tangent``) with x of the sum's shape and dtype."""
+    if node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return False
+    a, b = node.args
+    other = b if a is tangent else a
+    if (a is tangent) == (b is tangent) or not isinstance(other, fx.Node):
+        return False
+    x, out = other.meta.get("val"), node.meta.get("val")
+    return isinstance(x, torch.Tensor) and x.shape == out.shape and x.dtype == out.dtype
+
+
 def differentiable_outputs(g: JointGraph) -> dict[int, int]:
     """Output index -> value id of the model's floating-point outputs (those a loss can differentiate)."""
     c = g.captured
@@ -69,6 +92,18 @@ def differentiable_outputs(g: JointGraph) -> dict[int, int]:
         if b.kind == "forward" and isinstance(val, torch.Tensor) and val.is_floating_point():
             out[b.target] = g.value_of[o]
     return out
+
+
+def forward_outputs(g: JointGraph) -> dict[int, int]:
+    """Output index -> value id of every tensor the model returns."""
+    c = g.captured
+    return {b.target: g.value_of[o] for o, b in zip(c.outputs, c.output_bindings) if b.kind == "forward"}
+
+
+def output_bytes(g: JointGraph, indices: frozenset[int]) -> int:
+    """Bytes of the model's outputs ``indices`` (their own sizes, views included)."""
+    values = forward_outputs(g)
+    return sum(_nbytes(g.values[values[i]].source.meta["val"], g.values[values[i]].index) for i in indices)
 
 
 def estimated_outside(g: JointGraph) -> Outside:
@@ -85,8 +120,9 @@ def _nbytes(val, index: int | None) -> int:
 
 
 def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
-    """``base`` with the loss room and with zeros for the gradients of ``outside.no_grad``; the
-    profile of ``base`` carries over (the new nodes take no measurable time)."""
+    """``base`` with the loss room, with zeros for the gradients of ``outside.no_grad``, and with
+    ``outside.released`` as outputs of kind ``"released"`` (returned by the forward phase, not
+    kept by the plan); the profile of ``base`` carries over (the new nodes take no measurable time)."""
     captured, new_values = _copy_with_outside(base, outside)
     g = build_graph(captured, base.name)
     _copy_profile(base, g)
@@ -100,6 +136,8 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
             v.bytes, v.alias_of = made, None
         if kind == "loss":
             g.outputs.append((v.id, "buffer"))
+    released = {forward_outputs(g)[i] for i in outside.released}
+    g.outputs = [(v, "released" if v in released and k == "forward" else k) for v, k in g.outputs]
     for ph, b in zip(captured.placeholders, captured.bindings):
         if b.kind == "tangent" and b.target in outside.no_grad:
             g.values[g.value_of[ph]].bytes = 0
@@ -124,16 +162,26 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
         if b.kind != "tangent" or b.target not in outside.no_grad:
             continue
         val = ph.meta["val"]
+        readers = []
+        for user in list(ph.users):
+            if _adds_to_same_shape(user, ph):  # the usual case: the output is also used inside the model
+                other = next(a for a in user.args if a is not ph)
+                user.target, user.args = add_or_pass, (ph, other)
+            else:
+                readers.append(user)
+        if not readers:
+            continue
         args = (ph, tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device))
         with graph.inserting_before(first):
             zeros = graph.call_function(tangent_or_zeros, args)
         zeros.meta = {"val": val, "partitioner_tag": "is_backward"}
-        ph.replace_all_uses_with(zeros, delete_user_cb=lambda user, z=zeros: user is not z)
+        ph.replace_all_uses_with(zeros, delete_user_cb=lambda user, readers=readers: user in readers)
         new_values[zeros.name] = ("zeros", base.values[base.value_of[original]].bytes)
         new_values[ph.name] = ("tangent", zeros.name)
-    if outside.loss_bytes > 0:
+    if outside.loss_bytes > 0 or outside.released:
         refs = {v: n for n, v in base.value_of.items()}
-        args = tuple(env[refs[v]] for v in differentiable_outputs(base).values())
+        read = {**differentiable_outputs(base), **{i: forward_outputs(base)[i] for i in outside.released}}
+        args = tuple(dict.fromkeys(env[refs[v]] for v in read.values()))
         with graph.inserting_before(output):
             room = graph.call_function(loss_room, args)
         room.meta = {"val": args[0].meta["val"], "partitioner_tag": "is_forward"}
@@ -178,7 +226,11 @@ class _NewStorages(TorchDispatchMode):
         if not self.active:
             return out
         self._sweep()
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not is_fake(t)
+        }
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or is_fake(t):
                 continue
@@ -193,30 +245,31 @@ class _NewStorages(TorchDispatchMode):
 
 class Window:
     """Measures what the user's code allocates between remat's forward and backward phases: the
-    peak of the bytes created there and alive at once.
+    peak of the bytes created there and alive at once, and which outputs it let go of.
 
-    On CUDA it reads the allocator: ``torch.cuda.max_memory_allocated``, whose peak it resets
-    (only on a step that measures). On CPU a dispatch mode follows each new storage while the
-    window is open. The mode goes to the bottom of the thread's mode stack, so that modes the
-    user enters and leaves meanwhile leave in order; autograd carries it into the loss's
+    A dispatch mode follows each new storage while the window is open (the same count as
+    ``remat.measure_step``); on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``,
+    reset only on a step that measures) also sees the temporaries inside ops, and the larger of
+    the two peaks is taken. The mode goes to the bottom of the thread's mode stack, so that modes
+    the user enters and leaves meanwhile leave in order; autograd carries it into the loss's
     backward. It stops counting when the window closes, and leaves the stack on :meth:`remove`,
     called outside any backward (the autograd engine restores the mode stack it started with).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.outputs: list[weakref.ref] = []
         self.tracker: _NewStorages | None = None
         self.start_bytes = 0
 
     def open(self) -> bool:
         """Starts measuring; ``False`` where it cannot (under a fake or tracing mode)."""
+        if any(torch._C._get_dispatch_mode(k) is not None for k in torch._C._TorchDispatchModeKey.__members__.values()):
+            return False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.start_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            return True
-        if any(torch._C._get_dispatch_mode(k) is not None for k in torch._C._TorchDispatchModeKey.__members__.values()):
-            return False
         self.tracker = _NewStorages()
         above = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
         _push_mode(self.tracker)
@@ -224,24 +277,27 @@ class Window:
             _push_mode(mode)
         return True
 
-    def close(self, grads: list[torch.Tensor]) -> tuple[int, int]:
-        """The window's peak, and the bytes made in it and alive now besides ``grads`` (the
-        outputs' gradients, which the plan counts already)."""
-        grad_bytes = sum(
-            s.nbytes() for s in {g.untyped_storage().data_ptr(): g.untyped_storage() for g in grads}.values()
-        )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            now = torch.cuda.memory_allocated(self.device) - self.start_bytes
-            peak = torch.cuda.max_memory_allocated(self.device) - self.start_bytes
-            return max(0, peak), max(0, now - grad_bytes)
+    def watch(self, outputs: list[torch.Tensor]) -> None:
+        """The tensors handed to the user: an output is released once its tensor is gone."""
+        self.outputs = [weakref.ref(t) for t in outputs]
+
+    def close(self, grads: list[torch.Tensor]) -> tuple[int, int, frozenset[int]]:
+        """The window's peak, the bytes made in it and alive now besides ``grads`` (the outputs'
+        gradients, which the plan counts already), and the outputs the user let go of."""
         assert self.tracker is not None
         self.tracker.active = False
         self.tracker._sweep()
-        return self.tracker.peak, max(0, self.tracker.bytes - grad_bytes)
+        grads_made = {g.untyped_storage().data_ptr() for g in grads} & self.tracker.live.keys()
+        held = self.tracker.bytes - sum(self.tracker.live[ptr][0] for ptr in grads_made)
+        peak = self.tracker.peak
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - self.start_bytes)
+        released = frozenset(i for i, ref in enumerate(self.outputs) if ref() is None)
+        return peak, held, released
 
     def remove(self) -> None:
-        """Takes the CPU mode off this thread's stack (where it still is)."""
+        """Takes the mode off this thread's stack (where it still is)."""
         tracker, self.tracker = self.tracker, None
         if tracker is None:
             return

@@ -20,6 +20,9 @@ from torch.utils import _pytree as pytree
 from . import tree
 from .errors import CaptureError
 
+# Meta key of a tied gradient's sum, which may add its second argument into its first.
+ACCUMULATES = "remat_accumulates"
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -117,7 +120,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
 
 def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, bindings: list[OutputBinding]) -> None:
     """A parameter used under several names (tied weights) gets one gradient, summed in the graph
-    as soon as its parts exist, as autograd does; the other names' gradients become ``None``."""
+    as soon as its parts exist, as autograd does; the other names' gradients become ``None``.
+    Each sum, ``add(earlier part, later part)``, is tagged ``ACCUMULATES``: like autograd, the
+    executor may add the later part into the earlier one's storage (``graph.accumulate_in_place``)."""
     first: dict[int, int] = {}  # id(parameter) -> output index of its summed gradient
     for i, b in enumerate(bindings):
         if b.kind != "grad" or b.grad_of != "param" or outputs[i] is None:
@@ -128,10 +133,10 @@ def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, binding
             continue
         j = first[key]
         a, c = outputs[j], outputs[i]
-        later = c if _position(gm, c) > _position(gm, a) else a
+        earlier, later = (a, c) if _position(gm, c) > _position(gm, a) else (c, a)
         with gm.graph.inserting_after(later):
-            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (a, c))
-        total.meta = {**a.meta, "partitioner_tag": "is_backward"}
+            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (earlier, later))
+        total.meta = {**a.meta, "partitioner_tag": "is_backward", ACCUMULATES: True}
         outputs[j], outputs[i] = total, None
         bindings[i] = OutputBinding("none", None)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph import JointGraph
+from .graph import IN_PLACE, JointGraph
 from .layout import in_layout
 
 _INPUT_KINDS = ("param", "buffer", "input")
@@ -55,7 +55,7 @@ class Phases:
     forward: fx.GraphModule
     backward: fx.GraphModule
     forward_inputs: list[int]  # graph inputs the forward phase reads
-    forward_outputs: list[int]  # graph outputs of kinds "forward" and "buffer", in graph order
+    forward_outputs: list[int]  # graph outputs of kinds "forward", "released" and "buffer", in graph order
     saved: list[int]  # activations handed from forward to backward
     rng_nodes: list[int]  # random nodes whose RNG state is handed over too (after ``saved``)
     backward_inputs: list[int]  # graph inputs (tangents included) the backward phase reads
@@ -75,7 +75,7 @@ def build_phases(g: JointGraph, schedule: dict[str, Any]) -> Phases:
     used_in_bwd = {v for op in bwd_ops if op["op"] == "compute" for v in g.nodes[op["node"]].inputs}
     saved = sorted(v for v in alive_after_fwd if g.values[v].kind == "activation" and v in used_in_bwd)
 
-    forward_outputs = [v for v, k in g.outputs if k in ("forward", "buffer")]
+    forward_outputs = [v for v, k in g.outputs if k in ("forward", "released", "buffer")]
     grads = [v for v, k in g.outputs if k == "grad"]
     fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
     forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng)
@@ -127,11 +127,12 @@ def _emit(
 
     for op in ops:
         if op["op"] == "free":
-            env.pop(op["value"], None)  # FX frees a value after its last use anyway
+            if op["value"] not in outputs:  # a released output is the caller's to drop
+                env.pop(op["value"], None)  # FX frees a value after its last use anyway
             continue
         node = g.nodes[op["node"]]
         args, kwargs = fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
-        target = node.fx_node.target
+        target = torch.ops.aten.add_.Tensor if node.fx_node.meta.get(IN_PLACE) else node.fx_node.target
         if node.id in replayed and node.id in states:  # a replay: same random numbers as the first run
             replay_args = (states[node.id], device_of(node), target, *args)
             result = _call(graph, run_with_rng_state, replay_args, kwargs, node.fx_node.name)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .capture import Captured
+from .capture import ACCUMULATES, Captured
 from .errors import CaptureError
 
 SCHEMA_VERSION = 1
@@ -51,7 +51,9 @@ class JointGraph:
     captured: Captured
     values: list[Value] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
-    outputs: list[tuple[int, str]] = field(default_factory=list)  # (value id, "forward"|"buffer"|"grad")
+    # (value id, "forward"|"buffer"|"grad"|"released"); a released output is returned by the forward
+    # phase but not kept by the plan (``boundary``), so the planners do not see it as an output
+    outputs: list[tuple[int, str]] = field(default_factory=list)
     value_of: dict[fx.Node, int] = field(default_factory=dict)  # FX node (or getitem) -> value
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,7 +79,7 @@ class JointGraph:
                 }
                 for n in self.nodes
             ],
-            "outputs": [{"value": v, "kind": k} for v, k in self.outputs],
+            "outputs": [{"value": v, "kind": k} for v, k in self.outputs if k != "released"],
         }
 
     def to_json(self) -> str:
@@ -122,6 +124,36 @@ def build_graph(captured: Captured, name: str) -> JointGraph:
             kind = "forward"  # the backward reads the new buffer value: keep it to the end
         g.outputs.append((g.value_of[out], kind))
     return g
+
+
+# Meta key of a tied gradient's sum that the executor runs in place (``accumulate_in_place``).
+IN_PLACE = "remat_in_place"
+
+
+def accumulate_in_place(g: JointGraph) -> None:
+    """Let each tied gradient's last sum add its later part into the earlier one, as autograd
+    does: the earlier part's storage becomes the gradient, which activation memory does not count,
+    so its bytes become 0. Applies where nothing but the sum and views read that storage; needs
+    ``g`` profiled (aliases known). A sum of three parts or more sums the others out of place."""
+
+    def root(vid: int) -> int:
+        alias = g.values[vid].alias_of
+        return vid if alias is None else alias
+
+    readers: dict[int, list[Node]] = {}
+    for n in g.nodes:
+        for v in n.inputs:
+            readers.setdefault(root(v), []).append(n)
+    outputs = {root(v) for v, _ in g.outputs}
+    grads = {v for v, kind in g.outputs if kind == "grad"}
+    for n in g.nodes:
+        if not n.fx_node.meta.get(ACCUMULATES) or n.outputs[0] not in grads:
+            continue
+        part = root(g.value_of[n.fx_node.args[0]])
+        views = all(g.values[o].alias_of is not None for r in readers[part] if r is not n for o in r.outputs)
+        if g.values[part].kind == "activation" and part not in outputs and views:
+            n.fx_node.meta[IN_PLACE] = True
+            g.values[part].bytes = 0
 
 
 def _add_value(g: JointGraph, ref: fx.Node | str, source: fx.Node, index: int | None, kind: str) -> int:

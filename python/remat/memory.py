@@ -42,12 +42,18 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()
         out = func(*args, **(kwargs or {}))
+        # a storage an op receives existed before it (a tensor the step did not make, viewed)
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not is_fake(t)
+        }
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or is_fake(t):  # capture's fake tensors hold no memory
                 continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or ptr in self.preexisting or ptr in self.live:
+            if nbytes == 0 or ptr in self.preexisting or ptr in self.live or ptr in inputs:
                 continue
             self.serial += 1
             self.live[ptr] = (self.serial, nbytes, StorageWeakRef(storage))

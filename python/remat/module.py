@@ -14,7 +14,16 @@ import torch
 from torch import nn
 
 from . import _core, tree
-from .boundary import Outside, Window, differentiable_outputs, estimated_outside, tangent_or_zeros, with_outside
+from .boundary import (
+    Outside,
+    Window,
+    differentiable_outputs,
+    estimated_outside,
+    forward_outputs,
+    output_bytes,
+    tangent_or_zeros,
+    with_outside,
+)
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
 from .executor import Phases, build_phases, device_of, save_rng_state
@@ -143,7 +152,8 @@ class Remat(nn.Module):
         loss_over = measured.loss_bytes - planned.loss_bytes
         held_over = measured.held_bytes - planned.held_bytes
         # The plan stands where it fits and wastes little of the budget.
-        if measured.no_grad == planned.no_grad and max(loss_over, held_over) <= self._plan.slack():
+        same_outputs = (measured.no_grad, measured.released) == (planned.no_grad, planned.released)
+        if same_outputs and max(loss_over, held_over) <= self._plan.slack():
             if min(loss_over, held_over) >= -0.01 * self._plan.budget:
                 return
         t0 = time.perf_counter()
@@ -155,10 +165,11 @@ class Remat(nn.Module):
         self._plan = plan
         log.info(
             "remat: planned again for the step's loss (%d bytes between forward and backward, %d held through the "
-            "backward; %d outputs without gradient) in %.2f s",
+            "backward; %d outputs without gradient, %d released before the backward) in %.2f s",
             measured.loss_bytes,
             measured.held_bytes,
             len(measured.no_grad),
+            len(measured.released),
             time.perf_counter() - t0,
         )
 
@@ -204,11 +215,13 @@ class _Measure:
         """Ends the window of ``plan``'s step; warns if the step went over the budget."""
         if window is not self.window:
             return
-        peak, held = window.close([g for g in grads if g is not None])
+        peak, held, released = window.close([g for g in grads if g is not None])
         no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
-        self.outside = measured = Outside(peak, held, no_grad)
+        self.outside = measured = Outside(peak, held, no_grad, released)
         planned = plan.outside
         over = max(measured.loss_bytes - planned.loss_bytes, measured.held_bytes - planned.held_bytes)
+        # outputs the plan let go of (or gave no gradient) that this step held (or differentiated)
+        over += output_bytes(plan.graph, (planned.released - released) | (planned.no_grad - no_grad))
         if over > plan.slack():
             warnings.warn(
                 f"remat: this step's loss held {measured.loss_bytes} bytes between the model's forward and "
@@ -271,36 +284,54 @@ class _Plan:
         inputs = graph_inputs(self.graph, model, tensors)
         vids = list(inputs)
         outs = _Step.apply(self, vids, *inputs.values())
+        if self.measure is not None and self.measure.window is not None:
+            self.measure.window.watch(list(outs))
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
 def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much
     of it as the budget allows; where even none fits, the plan assumes no output gets a gradient
-    (the loss is inside the model), which the first step checks."""
+    or stays held (the loss is inside the model), which the first step checks. A fraction is of
+    the plain step's peak with the estimated loss."""
     estimate = estimated_outside(base)
-    room = estimate.loss_bytes
-    while True:
-        try:
-            return _make_plan(base, replace(estimate, loss_bytes=room), budget, options)
-        except InfeasibleBudget:
-            if room == 0:
-                break
-            room = room // 4 if room > 1024 else 0
-    no_grad = frozenset(differentiable_outputs(base))
-    return _make_plan(base, replace(estimate, loss_bytes=0, no_grad=no_grad), budget, options)
+    if isinstance(budget, float):  # of the plain step's peak with the estimated loss
+        budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
+    if not _fits(base, estimate, budget):
+        if _fits(base, replace(estimate, loss_bytes=0), budget):
+            fits, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
+            while too_big - fits > max(1024, estimate.loss_bytes // 100):
+                room = (fits + too_big) // 2
+                fits, too_big = (
+                    (room, too_big) if _fits(base, replace(estimate, loss_bytes=room), budget) else (fits, room)
+                )
+            estimate = replace(estimate, loss_bytes=fits)
+        else:
+            no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
+            estimate = Outside(0, 0, no_grad, released)
+    return _make_plan(base, estimate, budget, options)
+
+
+def _fits(base: JointGraph, outside: Outside, budget: int | float) -> bool:
+    """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
+    g = with_outside(base, outside)
+    min_budget, plain_peak = _core.budget_range(g.to_json())
+    target = _target(budget, min_budget, plain_peak)
+    return target >= plain_peak or min_budget + _reserve(g, None, _buffers_to_copy(g)) <= target
+
+
+def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int:
+    """The budget in bytes: a fraction is of plain PyTorch's peak, ``None`` is that peak."""
+    if budget is None:
+        return max(plain_peak, min_budget)
+    return int(budget * plain_peak) if isinstance(budget, float) else int(budget)
 
 
 def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, options: _Options) -> _Plan:
     g = with_outside(base, outside)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
-    if budget is None:
-        target = max(plain_peak, min_budget)
-    elif isinstance(budget, float):
-        target = int(budget * plain_peak)
-    else:
-        target = int(budget)
+    target = _target(budget, min_budget, plain_peak)
 
     def solve(held_back: int) -> dict[str, Any]:
         budget = max(target - held_back, 0)
@@ -369,7 +400,7 @@ class _Step(torch.autograd.Function):
         ctx.plan, ctx.vids = plan, vids
         ctx.inputs = {v: by_vid.get(v) for v in phases.backward_inputs}  # tangents come later
         _update_buffers(g, produced, ctx.inputs, by_vid, plan.copied)
-        ctx.saved = list(result[n_out:])
+        ctx.saved = [t.detach() for t in result[n_out:]]  # not the objects handed out: see Window.watch
         del result
         outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .capture import capture, flatten_inputs
-from .graph import JointGraph, build_graph
+from .graph import JointGraph, accumulate_in_place, build_graph
 from .profile import profile
 
 
@@ -17,6 +17,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict) -> JointGraph:
     inputs = graph_inputs(g, model, tensors)
     inputs.update(_sample_tangents(g))
     profile(g, inputs)
+    accumulate_in_place(g)
     return g
 
 

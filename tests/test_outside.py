@@ -1,0 +1,90 @@
+"""A language model with its loss inside (``labels=``) and tied embeddings, trained the way its
+users write it: ``rm(**batch).loss.backward()`` drops the logits once the loss is read, the logits
+get no gradient, and the tied weight's gradient parts are summed. The plan sees all three, so its
+prediction is the measured peak, and its smallest budget is under checkpointing's peak."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import remat
+import torch
+from helpers import assert_close_grads
+from transformers import GPT2Config, GPT2LMHeadModel
+
+LOGITS = 1  # index of the logits among the model's outputs (the loss is 0)
+
+
+def _model_and_batch():
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=4096, n_positions=64)
+    config.bos_token_id = config.eos_token_id = 0
+    model = GPT2LMHeadModel(config).train()
+    tokens = torch.randint(config.vocab_size, (2, 64))
+    return model, {"input_ids": tokens, "labels": tokens}
+
+
+def _measure(model, runner, batch, hold: bool) -> tuple[int, dict[str, torch.Tensor]]:
+    """Measured peak and gradients of one step; ``hold``: the caller keeps the outputs to the end."""
+    model.zero_grad(set_to_none=True)
+    kept = []
+
+    def step() -> None:
+        torch.manual_seed(1)
+        if hold:
+            kept.append(runner(**batch))
+            kept[0].loss.backward()
+        else:
+            runner(**batch).loss.backward()
+
+    peak = remat.measure_step(step, [*model.parameters(), *model.buffers(), *batch.values()]).peak_bytes
+    return peak, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpoint_peak(model, batch) -> int:
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return _measure(ckpt, ckpt, batch, hold=False)[0]
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["logits dropped", "logits held"])
+def test_loss_inside_is_planned_as_measured(hold: bool) -> None:
+    model, batch = _model_and_batch()
+    plain_peak, plain_grads = _measure(model, model, batch, hold)
+    probe = remat.Remat(model, batch, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _measure(model, probe, batch, hold)
+    _measure(model, probe, batch, hold)
+    outside = probe.outside
+    assert LOGITS in outside.no_grad
+    assert (LOGITS in outside.released) == (not hold)
+    for budget in (probe.min_budget, (probe.min_budget + probe.plain_peak) // 2):
+        rm = remat.Remat(model, batch, budget)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _measure(model, rm, batch, hold)  # measures the loss; the next call plans again
+        peak, grads = _measure(model, rm, batch, hold)
+        predicted = rm.schedule["predicted"]["peak_bytes"] + rm.reserve
+        assert peak <= budget, (budget, peak)
+        assert abs(peak - predicted) <= 0.01 * peak, (predicted, peak)
+        assert_close_grads(grads, plain_grads, rtol=1e-4, atol=1e-6)
+    assert probe.plain_peak <= plain_peak * 1.01
+
+
+def test_smallest_budget_is_under_checkpointing() -> None:
+    """The tied embedding's gradient is the earlier part's storage, and the dropped logits die
+    after the loss: remat reaches less than checkpointing every layer."""
+    model, batch = _model_and_batch()
+    checkpoint = _checkpoint_peak(model, batch)
+    rm = remat.Remat(model, batch, 1.0)
+    for _ in range(2):
+        _measure(model, rm, batch, hold=False)
+    floor = remat.Remat(model, batch, rm.min_budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _measure(model, floor, batch, hold=False)
+    peak, _ = _measure(model, floor, batch, hold=False)
+    assert peak <= floor.budget < checkpoint, (peak, floor.budget, checkpoint)
