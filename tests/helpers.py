@@ -94,9 +94,9 @@ def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
     traced = {}
 
-    def once(model, args, kwargs):
+    def once(model, args, kwargs, plan=None):
         if "graph" not in traced:
-            traced["graph"] = trace(model, args, kwargs)
+            traced["graph"] = trace(model, args, kwargs, plan)
         return traced["graph"]
 
     monkeypatch.setattr(remat.module, "trace", once)

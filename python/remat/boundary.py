@@ -125,7 +125,7 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     kept by the plan); the profile of ``base`` carries over (the new nodes take no measurable time)."""
     captured, new_values = _copy_with_outside(base, outside)
     g = build_graph(captured, base.name)
-    _copy_profile(base, g)
+    copy_profile(base, g)
     ids = {v.name: v.id for v in g.values}
     replaced = {ids[name]: ids[zeros] for name, (kind, zeros) in new_values.items() if kind == "tangent"}
     for v in g.values:
@@ -192,20 +192,31 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
     return copied, new_values
 
 
-def _copy_profile(base: JointGraph, g: JointGraph) -> None:
-    """Times, temporaries, bytes and aliases of ``base`` onto the nodes and values of ``g`` of the same names."""
-    nodes = {n.fx_node.name: n for n in base.nodes}
-    for n in g.nodes:
+def copy_profile(src: JointGraph, dst: JointGraph, tangents: bool = True) -> None:
+    """Times, temporaries, bytes and aliases of ``src`` onto the nodes and values of ``dst`` of
+    the same names and ops (the output gradients' values too where ``tangents``)."""
+    nodes = {n.fx_node.name: n for n in src.nodes}
+    other_op = set()  # values of a node that runs another op in ``src`` (add_or_pass for add)
+    for n in dst.nodes:
         old = nodes.get(n.fx_node.name)
-        if old is not None:
+        if old is not None and old.fx_node.target is not n.fx_node.target:
+            other_op.update(src.values[v].name for v in old.outputs)
+        elif old is not None:
             n.time, n.temp_bytes = old.time, old.temp_bytes
-    values = {v.name: v for v in base.values}
-    ids = {v.name: v.id for v in g.values}
-    for v in g.values:
+    # storages such a node's output shares in ``src`` (add_or_pass passes its summand on)
+    mixed = {v.alias_of for v in src.values if v.name in other_op and v.alias_of is not None}
+    values = {
+        v.name: v
+        for v in src.values
+        if (tangents or v.kind != "tangent") and v.name not in other_op and v.alias_of not in mixed
+    }
+    ids = {v.name: v.id for v in dst.values}
+    for v in dst.values:
         old = values.get(v.name)
-        if old is not None:
+        owner = None if old is None or old.alias_of is None else src.values[old.alias_of].name
+        if old is not None and (owner is None or owner in ids):  # not a view of a node ``dst`` lacks
             v.bytes = old.bytes
-            v.alias_of = None if old.alias_of is None else ids[base.values[old.alias_of].name]
+            v.alias_of = None if owner is None else ids[owner]
 
 
 class _NewStorages(TorchDispatchMode):

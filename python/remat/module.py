@@ -88,7 +88,9 @@ class Remat(nn.Module):
         self._plan: _Plan | None = None
         self._measure = _Measure()
         if solver != "none":
-            self._base = trace(model, args, kwargs)
+            # With a budget, measuring runs a first schedule planned from sizes and estimated times.
+            first = None if budget is None else lambda g: _first_plan(g, budget, self._options)
+            self._base = trace(model, args, kwargs, first)
             if budget is None:
                 self._measure.done = True
                 self._plan = _make_plan(self._base, Outside(0), None, self._options)

@@ -1,5 +1,10 @@
 """Measure every node of a joint graph: run time, output bytes, aliasing, temporary bytes.
 
+Sizes and aliases are first read from the captured graph's fake tensors (:func:`estimate`, which
+also guesses times from the bytes and FLOPs of each op), so a schedule can be planned before
+anything runs. :func:`profile` then runs the graph on real tensors, in plain order or under such a
+schedule, so that profiling holds no more than the schedule does.
+
 On CUDA: CUDA events (median of several runs) and the allocator's peak for temporaries. On CPU:
 ``time.perf_counter`` (median) and no temporaries. A value whose storage is already held by a
 live value is an alias of it and costs nothing.
@@ -10,60 +15,176 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from typing import Any
 
 import torch
 
+from .capture import ACCUMULATES
 from .graph import JointGraph
 from .layout import obeys_layout
 
+# Guessed speeds of the estimate: bytes moved and multiply-adds per second (only the ratio between
+# ops matters: the estimate orders ops for a first schedule that profiling runs).
+_BYTES_PER_SECOND = 1e11
+_FLOPS_PER_SECOND = 1e13
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
-def profile(g: JointGraph, inputs: dict[int, torch.Tensor], repeats: int = 3) -> None:
-    """Run ``g`` once node by node on real tensors (``inputs``: graph input value id -> tensor)
-    and fill in each node's time and temporary bytes and each value's bytes and ``alias_of``.
-    Each value is dropped after its last use, so profiling holds what plain PyTorch's step holds
-    (every output gradient aside), plus one node's outputs while it is timed.
 
-    The caller's RNG state is left as it was.
+def estimate(g: JointGraph) -> None:
+    """Fill in each value's bytes and ``alias_of`` from the fake tensors of the captured graph,
+    and each node's time from its bytes and FLOPs; temporaries are 0."""
+    owner_of: dict[int, int] = {}  # fake storage -> owning value id
+    for v in g.values:
+        if v.kind in ("param", "buffer", "input", "tangent"):
+            _claim_storage(v, _meta(g, v), owner_of, may_alias=v.kind != "tangent")
+    for n in g.nodes:
+        for vid in n.outputs:
+            _claim_storage(g.values[vid], _meta(g, g.values[vid]), owner_of, not n.fx_node.meta.get(ACCUMULATES))
+        n.time = _estimated_time(g, n)
+
+
+def _meta(g: JointGraph, v) -> torch.Tensor:
+    """The value's tensor as captured (fake, or the constant itself)."""
+    if v.source.op == "get_attr":
+        return getattr(g.captured.gm, v.source.target)
+    val = v.source.meta["val"]
+    return val if v.index is None else val[v.index]
+
+
+def _claim_storage(value, t: torch.Tensor, owner_of: dict[int, int], may_alias: bool) -> None:
+    storage = t.untyped_storage()
+    key, nbytes = storage._cdata, storage.nbytes()
+    if may_alias and nbytes and key in owner_of:
+        value.alias_of, value.bytes = owner_of[key], 0
+        return
+    owner_of.setdefault(key, value.id)
+    value.alias_of, value.bytes = None, nbytes
+
+
+def _estimated_time(g: JointGraph, n) -> float:
+    moved = sum(g.values[v].bytes for v in (*n.inputs, *n.outputs))
+    flops = 0
+    name = getattr(n.fx_node.target, "__name__", "").split(".")[0]
+    weight = n.fx_node.args[1] if name == "convolution" else n.fx_node.args[-1] if n.fx_node.args else None
+    if n.outputs and (name in _MATMULS or name == "convolution") and isinstance(weight, torch.fx.Node):
+        w = weight.meta["val"]
+        inner = w[0].numel() if name == "convolution" else w.shape[-2]
+        flops = 2 * _meta(g, g.values[n.outputs[0]]).numel() * inner
+    return moved / _BYTES_PER_SECOND + flops / _FLOPS_PER_SECOND
+
+
+def profile(
+    g: JointGraph,
+    inputs: dict[int, torch.Tensor],
+    tangents: dict[int, torch.Tensor | None],
+    schedule: dict[str, Any] | None = None,
+    repeats: int = 3,
+) -> None:
+    """Run ``g`` on real tensors (``inputs``: graph input value id -> tensor; ``tangents``: the
+    output gradients, made at the start of the backward) and fill in the time and temporary bytes
+    of each node it runs and the bytes and ``alias_of`` of each value it makes.
+
+    Without ``schedule`` the nodes run in order and each value is dropped after its last use, so
+    profiling holds what plain PyTorch's step holds. With one, its ops run (recomputations and
+    frees included), so profiling holds what that schedule holds, plus one node's outputs while
+    it is timed. Each node is timed on its first run. Gradients no node reads are dropped once
+    made. The caller's RNG state is left as it was.
     """
-    last_use = {v: i for i, node in enumerate(g.nodes) for v in (*node.inputs, *node.outputs)}
+    forward, backward = _ops(g, schedule)
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
-    devices = {t.device for t in inputs.values() if t.device.type == "cuda"}
+    devices = {t.device for t in inputs.values() if t is not None and t.device.type == "cuda"}
     with torch.random.fork_rng(devices=list(devices)), torch.no_grad():
-        env: dict[int, torch.Tensor] = dict(inputs)
-        owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
-        holders: collections.Counter[int] = collections.Counter()  # storage data_ptr -> live values on it
+        run = _Run(g, relayout, repeats)
         for vid, t in inputs.items():
-            _claim(g, vid, t, owner_of, count=False)
-            holders[t.untyped_storage().data_ptr()] += 1  # graph inputs are never dropped
-        for i, node in enumerate(g.nodes):
-            args, kwargs = _node_args(g, node, env)
-            fn = node.fx_node.target
-            cuda = _on_cuda(node, env)
-            before = torch.cuda.memory_allocated() if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            result = fn(*args, **kwargs)
-            peak = torch.cuda.max_memory_allocated() if cuda else 0
-            new_bytes = 0
-            for vid in node.outputs:
-                t = _element(result, g.values[vid].index)
-                env[vid] = t
-                new_bytes += _claim(g, vid, t, owner_of, count=True)
-                holders[t.untyped_storage().data_ptr()] += 1
-            if cuda:
-                node.temp_bytes = max(0, peak - before - new_bytes)
-            for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
-                param = relayout.get(vid)
-                if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):
-                    node.temp_bytes += env[vid].untyped_storage().nbytes()
-            node.time = _time(fn, args, kwargs, repeats, cuda)
-            del args, kwargs, result
-            for vid in (*node.inputs, *node.outputs):
-                if last_use[vid] == i and vid not in inputs:
-                    ptr = env.pop(vid).untyped_storage().data_ptr()
-                    holders[ptr] -= 1
-                    if not holders[ptr]:  # the storage is released: its address may be reused
-                        owner_of.pop(ptr, None)
+            run.hold(vid, t, count=False)
+        run.ops(forward)
+        for vid in [v for v, kind in g.outputs if kind == "buffer"]:  # the executor copied them
+            run.drop(vid)
+        for vid, t in tangents.items():
+            run.hold(vid, t, count=False)
+        run.ops(backward)
+
+
+def _ops(g: JointGraph, schedule: dict[str, Any] | None) -> tuple[list[dict], list[dict]]:
+    """The forward and backward ops to run: the schedule's, or plain order with frees."""
+    if schedule is not None:
+        return schedule["forward"], schedule["backward"]
+    last_use = {v: i for i, node in enumerate(g.nodes) for v in (*node.inputs, *node.outputs)}
+    phases: dict[str, list[dict]] = {"forward": [], "backward": []}
+    for i, node in enumerate(g.nodes):
+        ops = phases[node.phase]
+        ops.append({"op": "compute", "node": node.id})
+        for vid in dict.fromkeys((*node.inputs, *node.outputs)):
+            if last_use[vid] == i and g.values[vid].kind == "activation":
+                ops.append({"op": "free", "value": vid})
+    return phases["forward"], phases["backward"]
+
+
+class _Run:
+    """The tensors alive while profiling, and who owns each storage."""
+
+    def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int) -> None:
+        self.g, self.relayout, self.repeats = g, relayout, repeats
+        self.env: dict[int, torch.Tensor | None] = {}
+        self.owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
+        self.holders: collections.Counter[int] = collections.Counter()  # data_ptr -> live values on it
+        self.timed: set[int] = set()
+        # gradients no node reads: they would be the parameters' .grad, which planning need not hold
+        read = {v for n in g.nodes for v in n.inputs}
+        self.unread_grads = {v for v, kind in g.outputs if kind == "grad" and v not in read}
+
+    def hold(self, vid: int, t: torch.Tensor | None, count: bool) -> int:
+        self.env[vid] = t
+        if t is None:
+            return 0
+        self.holders[t.untyped_storage().data_ptr()] += 1
+        return _claim(self.g, vid, t, self.owner_of, count)
+
+    def drop(self, vid: int) -> None:
+        t = self.env.pop(vid, None)
+        if t is None:
+            return
+        ptr = t.untyped_storage().data_ptr()
+        self.holders[ptr] -= 1
+        if not self.holders[ptr]:  # the storage is released: its address may be reused
+            self.owner_of.pop(ptr, None)
+
+    def ops(self, ops: list[dict]) -> None:
+        for op in ops:
+            if op["op"] == "free":
+                self.drop(op["value"])
+            else:
+                self.compute(self.g.nodes[op["node"]])
+
+    def compute(self, node) -> None:
+        g, env = self.g, self.env
+        args, kwargs = torch.fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
+        fn = node.fx_node.target
+        first = node.id not in self.timed
+        cuda = first and _on_cuda(node, env)
+        before = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        result = fn(*args, **kwargs)
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        new_bytes = 0
+        for vid in node.outputs:
+            if vid in env:  # an output a schedule left alive is made again: the new one counts
+                self.drop(vid)
+            new_bytes += self.hold(vid, _element(result, g.values[vid].index), count=True)
+        if not first:
+            return
+        self.timed.add(node.id)
+        if cuda:
+            node.temp_bytes = max(0, peak - before - new_bytes)
+        for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
+            param = self.relayout.get(vid)
+            if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):
+                node.temp_bytes += env[vid].untyped_storage().nbytes()
+        del result
+        node.time = _time(fn, args, kwargs, self.repeats, _on_cuda(node, env))
+        for vid in self.unread_grads.intersection(node.outputs):
+            self.drop(vid)
 
 
 def _claim(g: JointGraph, vid: int, t: torch.Tensor, owner_of: dict[int, int], count: bool) -> int:
@@ -71,20 +192,13 @@ def _claim(g: JointGraph, vid: int, t: torch.Tensor, owner_of: dict[int, int], c
     storage = t.untyped_storage()
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     value = g.values[vid]
-    if nbytes and ptr in owner_of:  # a view, or a graph input tied to another one
+    if nbytes and ptr in owner_of and owner_of[ptr] != vid:  # a view, or a graph input tied to another one
         value.alias_of, value.bytes = owner_of[ptr], 0
         return 0
     if nbytes:
         owner_of[ptr] = vid
-    value.bytes = nbytes
+    value.alias_of, value.bytes = None, nbytes
     return nbytes if count else 0
-
-
-def _node_args(g: JointGraph, node, env: dict[int, torch.Tensor]):
-    def load(a):
-        return env[g.value_of[a]]
-
-    return torch.fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), load)
 
 
 def _element(result, index: int | None) -> torch.Tensor:
@@ -92,7 +206,7 @@ def _element(result, index: int | None) -> torch.Tensor:
 
 
 def _on_cuda(node, env) -> bool:
-    return any(env[v].is_cuda for v in node.inputs) or (
+    return any(env[v] is not None and env[v].is_cuda for v in node.inputs) or (
         node.fx_node.meta.get("val") is not None and _meta_device(node.fx_node.meta["val"]) == "cuda"
     )
 

@@ -2,23 +2,52 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import torch
 from torch import nn
 
+from .boundary import Outside, copy_profile
 from .capture import capture, flatten_inputs
 from .graph import JointGraph, accumulate_in_place, build_graph
-from .profile import profile
+from .profile import estimate, profile
 
 
-def trace(model: nn.Module, args: tuple, kwargs: dict) -> JointGraph:
-    """The joint graph of one training step of ``model(*args, **kwargs)``, every node measured."""
+def trace(
+    model: nn.Module, args: tuple, kwargs: dict, plan: Callable[[JointGraph], Planned] | None = None
+) -> JointGraph:
+    """The joint graph of one training step of ``model(*args, **kwargs)``, every node measured.
+
+    With ``plan``, the graph is measured under the schedule ``plan`` makes of it from sizes and
+    estimated times (``profile.estimate``), so that measuring holds what that schedule holds;
+    without, in plain PyTorch's order, holding what a plain step holds."""
     g = build_graph(capture(model, args, kwargs), type(model).__name__)
+    estimate(g)
+    accumulate_in_place(g)
     tensors, _, _ = flatten_inputs(args, kwargs)
-    inputs = graph_inputs(g, model, tensors)
-    inputs.update(_sample_tangents(g))
-    profile(g, inputs)
+    if plan is None:
+        profile(g, graph_inputs(g, model, tensors), _sample_tangents(g, frozenset()))
+    else:
+        first = plan(g)
+        no_grad = first.outside.no_grad
+        profile(
+            first.graph,
+            graph_inputs(first.graph, model, tensors),
+            _sample_tangents(first.graph, no_grad),
+            first.schedule,
+        )
+        copy_profile(first.graph, g, tangents=False)
     accumulate_in_place(g)
     return g
+
+
+class Planned(Protocol):
+    """What :func:`trace` measures under: a graph with the loss's room, and its schedule."""
+
+    graph: JointGraph
+    schedule: dict[str, Any]
+    outside: Outside
 
 
 def graph_inputs(g: JointGraph, model: nn.Module, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -39,11 +68,13 @@ def graph_inputs(g: JointGraph, model: nn.Module, tensors: list[torch.Tensor]) -
     return out
 
 
-def _sample_tangents(g: JointGraph) -> dict[int, torch.Tensor]:
-    """Output gradients to profile the backward with (their values do not matter)."""
-    out = {}
+def _sample_tangents(g: JointGraph, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
+    """Output gradients to profile the backward with (their values do not matter); ``None`` for
+    the outputs ``no_grad`` (planned without a gradient)."""
+    out: dict[int, torch.Tensor | None] = {}
     for ph, b in zip(g.captured.placeholders, g.captured.bindings):
         if b.kind == "tangent":
             val = ph.meta["val"]
-            out[g.value_of[ph]] = torch.ones(val.shape, dtype=val.dtype, device=val.device)
+            grad = None if b.target in no_grad else torch.ones(val.shape, dtype=val.dtype, device=val.device)
+            out[g.value_of[ph]] = grad
     return out
