@@ -482,9 +482,9 @@ ZOO: dict[str, Callable[[], Case]] = {
 #   bert_padded: CaptureError: could not capture BertForMaskedLM as a joint forward+backward graph
 #                (DataDependentOutputException: aten._local_scalar_dense.default); ...
 #                _ignore_bidirectional_mask_sdpa calls padding_mask.all() (eager attention too).
-#   lstm:        AttributeError: 'NoneType' object has no attribute 'untyped_storage' (not a CaptureError: capture
-#                works, then remat/profile.py's _claim gets None for output 3 of aten.mkldnn_rnn_layer, the
-#                workspace, a size-0 uint8 tensor when traced and an undefined tensor when run).
+#   lstm:        CaptureError: the captured graph's node mkldnn_rnn_layer_backward (...) fails on real tensors
+#                (RuntimeError: Expected a proper Tensor but got None ... for argument #22 'workspace'); ...
+#                aten.mkldnn_rnn_layer's workspace is a size-0 tensor when traced and undefined when run.
 
 
 def gpt2_sdpa() -> Case:

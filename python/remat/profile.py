@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .capture import ACCUMULATES
+from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
 
@@ -165,7 +166,16 @@ class _Run:
         before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # an op whose traced and real behaviour differ
+            raise CaptureError(
+                f"the captured graph's node {node.fx_node.name} ({fn}) fails on real tensors "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); remat cannot run this "
+                "model's graph: wrap the modules around that op with torch.utils.checkpoint instead"
+            ) from exc
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         new_bytes = 0
         for vid in node.outputs:
