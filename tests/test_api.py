@@ -136,3 +136,23 @@ def test_bad_arguments_raise_value_errors() -> None:
         remat.Remat(model, sample, 0.5, solver="gurobi")
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         remat.Remat(model, sample, 1.5)
+
+
+def test_state_dict_has_the_models_own_keys() -> None:
+    model, sample = mlp()
+    rm = remat.Remat(model, sample, None)
+    assert list(rm.state_dict()) == list(model.state_dict())
+    plain, _ = mlp()
+    plain.load_state_dict(rm.state_dict())  # a checkpoint of the wrapper loads into the model
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    other, _ = mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    rm.load_state_dict(other.state_dict())  # and the model's into the wrapper
+    for a, b in zip(other.state_dict().values(), rm.model.state_dict().values()):
+        assert torch.equal(a, b)
+    outer = nn.Sequential(rm)
+    assert list(outer.state_dict()) == [f"0.{k}" for k in model.state_dict()]
+    outer.load_state_dict(outer.state_dict())

@@ -79,6 +79,8 @@ class Remat(nn.Module):
         if isinstance(budget, float) and not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
         self.model = model
+        self._register_state_dict_hook(_model_keys)
+        self._register_load_state_dict_pre_hook(_wrapper_keys)
         self.solver = solver
         args, kwargs = _as_call(sample)
         _check_device(model, args, kwargs)
@@ -232,6 +234,25 @@ class _Measure:
                 f"{over - plan.slack()} bytes; the next steps are planned with it",
                 stacklevel=2,
             )
+
+
+_MODEL = "model."
+
+
+def _model_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """The wrapper's state dict has the model's own keys: ``prefix + "model.w"`` becomes ``prefix + "w"``."""
+    for key in [k for k in state_dict if k.startswith(prefix + _MODEL)]:
+        state_dict[prefix + key[len(prefix + _MODEL) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k.startswith(prefix + "model")]:
+            metadata[prefix + key[len(prefix + "model") :].removeprefix(".")] = metadata.pop(key)
+
+
+def _wrapper_keys(state_dict: dict, prefix: str, local_metadata, strict, missing, unexpected, errors) -> None:
+    """Loading takes the model's own keys (and, as saved before, the wrapper's)."""
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _MODEL)]:
+        state_dict[prefix + _MODEL + key[len(prefix) :]] = state_dict.pop(key)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:
