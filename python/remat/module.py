@@ -15,6 +15,7 @@ from torch import nn
 
 from . import _core, tree
 from .boundary import (
+    LOSS_SCALARS,
     Outside,
     Window,
     differentiable_outputs,
@@ -331,7 +332,9 @@ def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Pl
             estimate = replace(estimate, loss_bytes=fits)
         else:
             no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
-            estimate = Outside(0, 0, no_grad, released)
+            estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
+            if not _fits(base, estimate, budget):
+                estimate = Outside(0, 0, no_grad, released)
     return _make_plan(base, estimate, budget, options)
 
 
