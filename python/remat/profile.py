@@ -37,10 +37,11 @@ def estimate(g: JointGraph) -> None:
     owner_of: dict[int, int] = {}  # fake storage -> owning value id
     for v in g.values:
         if v.kind in ("param", "buffer", "input", "tangent"):
-            _claim_storage(v, _meta(g, v), owner_of, may_alias=v.kind != "tangent")
+            _claim(v, *_fake_storage(_meta(g, v)), owner_of, may_alias=v.kind != "tangent")
     for n in g.nodes:
         for vid in n.outputs:
-            _claim_storage(g.values[vid], _meta(g, g.values[vid]), owner_of, not n.fx_node.meta.get(ACCUMULATES))
+            value = g.values[vid]
+            _claim(value, *_fake_storage(_meta(g, value)), owner_of, not n.fx_node.meta.get(ACCUMULATES))
         n.time = _estimated_time(g, n)
 
 
@@ -52,14 +53,9 @@ def _meta(g: JointGraph, v) -> torch.Tensor:
     return val if v.index is None else val[v.index]
 
 
-def _claim_storage(value, t: torch.Tensor, owner_of: dict[int, int], may_alias: bool) -> None:
+def _fake_storage(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
-    key, nbytes = storage._cdata, storage.nbytes()
-    if may_alias and nbytes and key in owner_of:
-        value.alias_of, value.bytes = owner_of[key], 0
-        return
-    owner_of.setdefault(key, value.id)
-    value.alias_of, value.bytes = None, nbytes
+    return storage._cdata, storage.nbytes()
 
 
 def _estimated_time(g: JointGraph, n) -> float:
@@ -139,7 +135,9 @@ class _Run:
         if t is None:
             return 0
         self.holders[t.untyped_storage().data_ptr()] += 1
-        return _claim(self.g, vid, t, self.owner_of, count)
+        storage = t.untyped_storage()
+        new = _claim(self.g.values[vid], storage.data_ptr(), storage.nbytes(), self.owner_of)
+        return new if count else 0
 
     def drop(self, vid: int) -> None:
         t = self.env.pop(vid, None)
@@ -197,18 +195,17 @@ class _Run:
             self.drop(vid)
 
 
-def _claim(g: JointGraph, vid: int, t: torch.Tensor, owner_of: dict[int, int], count: bool) -> int:
-    """Record whether ``t`` owns a new storage or aliases a live one; return the new bytes."""
-    storage = t.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    value = g.values[vid]
-    if nbytes and ptr in owner_of and owner_of[ptr] != vid:  # a view, or a graph input tied to another one
-        value.alias_of, value.bytes = owner_of[ptr], 0
+def _claim(value, key: int, nbytes: int, owner_of: dict[int, int], may_alias: bool = True) -> int:
+    """Record whether ``value``'s storage (``key``, of ``nbytes``) is held by another value (an
+    alias: a view, or a graph input tied to another one) or is new; return the new bytes."""
+    owner = owner_of.get(key, value.id) if nbytes else value.id
+    if may_alias and owner != value.id:
+        value.alias_of, value.bytes = owner, 0
         return 0
     if nbytes:
-        owner_of[ptr] = vid
+        owner_of.setdefault(key, value.id)
     value.alias_of, value.bytes = None, nbytes
-    return nbytes if count else 0
+    return nbytes
 
 
 def _element(result, index: int | None) -> torch.Tensor:
