@@ -13,7 +13,7 @@ from .errors import (
     ScheduleError,
     SolverError,
 )
-from .memory import StepMemory, cuda_peak, measure_step
+from .memory import StepMemory, cuda_peak, measure_step, rss_peak
 from .module import Remat
 
 __all__ = [
@@ -33,4 +33,5 @@ __all__ = [
     "StepMemory",
     "cuda_peak",
     "measure_step",
+    "rss_peak",
 ]

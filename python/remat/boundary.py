@@ -157,6 +157,7 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
     output = graph.output(result)
     new_values: dict[str, tuple[str, int]] = {}
     placeholders = [env[p] for p in c.placeholders]
+    order = {n: i for i, n in enumerate(c.gm.graph.nodes)}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for original, ph, b in zip(c.placeholders, placeholders, c.bindings):
         if b.kind != "tangent" or b.target not in outside.no_grad:
@@ -179,9 +180,14 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
         new_values[zeros.name] = ("zeros", base.values[base.value_of[original]].bytes)
         new_values[ph.name] = ("tangent", zeros.name)
     if outside.loss_bytes > 0 or outside.released:
+        # The room comes after the last output is made and reads the outputs it releases; the
+        # others stay alive anyway. Reading every output would tie each block that makes one
+        # (a transformer's key-value cache) to the end of the chain, so nothing could be cut.
         refs = {v: n for n, v in base.value_of.items()}
-        read = {**differentiable_outputs(base), **{i: forward_outputs(base)[i] for i in outside.released}}
-        args = tuple(dict.fromkeys(env[refs[v]] for v in read.values()))
+        made = differentiable_outputs(base) or forward_outputs(base)
+        last = max(made.values(), key=lambda v: order[refs[v]])
+        read = [last, *(forward_outputs(base)[i] for i in sorted(outside.released))]
+        args = tuple(dict.fromkeys(env[refs[v]] for v in read))
         with graph.inserting_before(output):
             room = graph.call_function(loss_room, args)
         room.meta = {"val": args[0].meta["val"], "partitioner_tag": "is_forward"}
@@ -221,6 +227,8 @@ def copy_profile(src: JointGraph, dst: JointGraph, tangents: bool = True) -> Non
 
 class _NewStorages(TorchDispatchMode):
     """Follows each storage an op creates (not a view of one of its inputs) until it is released."""
+
+    supports_higher_order_operators = True  # a compiled phase's RNG operators run through it too
 
     def __init__(self) -> None:
         super().__init__()

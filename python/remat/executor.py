@@ -11,13 +11,16 @@ once replays the RNG state saved just before its first run.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims import rng_prims
 
 from .graph import IN_PLACE, JointGraph
+from .inductor import CompiledPhase
 from .layout import in_layout
 
 _INPUT_KINDS = ("param", "buffer", "input")
@@ -52,8 +55,8 @@ def run_with_rng_state(state: torch.Tensor, device: str, op, *args, **kwargs):
 class Phases:
     """The two generated phases and the value ids that flow in and out of them."""
 
-    forward: fx.GraphModule
-    backward: fx.GraphModule
+    forward: Callable[[list], tuple]  # called with a list of inputs, which it empties
+    backward: Callable[[list], tuple]
     forward_inputs: list[int]  # graph inputs the forward phase reads
     forward_outputs: list[int]  # graph outputs of kinds "forward", "released" and "buffer", in graph order
     saved: list[int]  # activations handed from forward to backward
@@ -62,7 +65,8 @@ class Phases:
     grads: list[int]  # graph outputs of kind "grad", in graph order
 
 
-def build_phases(g: JointGraph, schedule: dict[str, Any]) -> Phases:
+def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False) -> Phases:
+    """The phases of ``schedule``, run eagerly by FX or, ``compiled``, by Inductor (``inductor``)."""
     fwd_ops, bwd_ops = schedule["forward"], schedule["backward"]
     counts: dict[int, int] = {}
     for op in fwd_ops + bwd_ops:
@@ -78,10 +82,12 @@ def build_phases(g: JointGraph, schedule: dict[str, Any]) -> Phases:
     forward_outputs = [v for v, k in g.outputs if k in ("forward", "released", "buffer")]
     grads = [v for v, k in g.outputs if k == "grad"]
     fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
-    forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng)
+    forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng, compiled=compiled)
     bwd_inputs = _graph_inputs_used(g, bwd_ops, grads)
     layouts = {vid: (tuple(ph.meta["val"].shape), ph.meta["val"].stride()) for vid, ph in g.param_grads().items()}
-    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts)
+    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled)
+    if compiled:
+        forward, backward = CompiledPhase(forward, backward=False), CompiledPhase(backward, backward=True)
     return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads)
 
 
@@ -110,20 +116,31 @@ def _emit(
     replayed: set[int],
     rng_outputs: list[int],
     layouts: dict[int, tuple] | None = None,
+    compiled: bool = False,
 ) -> fx.GraphModule:
     """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``.
     ``layouts``: parameter gradients (value id -> the parameter's shape and strides), put in the
-    parameter's layout as soon as they are made."""
+    parameter's layout as soon as they are made.
+
+    ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states)``: random nodes
+    run through the RNG operators Inductor knows, and a sum into a gradient (``IN_PLACE``) stays
+    out of place (Inductor reuses the dying buffer itself)."""
     layouts = layouts or {}
     graph = fx.Graph()
-    boxed = graph.placeholder("inputs")
     env: dict[int, fx.Node] = {}
-    for i, vid in enumerate(inputs):
-        env[vid] = _call(graph, operator.getitem, (boxed, i), {}, g.values[vid].name)
     states: dict[int, fx.Node] = {}
-    for j, nid in enumerate(rng_inputs):
-        states[nid] = _call(graph, operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
-    graph.call_method("clear", (boxed,))
+    if compiled:
+        for vid in inputs:
+            env[vid] = graph.placeholder(_clean(g.values[vid].name))
+        for nid in rng_inputs:
+            states[nid] = graph.placeholder(f"rng_state_{nid}")
+    else:
+        boxed = graph.placeholder("inputs")
+        for i, vid in enumerate(inputs):
+            env[vid] = _call(graph, operator.getitem, (boxed, i), {}, g.values[vid].name)
+        for j, nid in enumerate(rng_inputs):
+            states[nid] = _call(graph, operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
+        graph.call_method("clear", (boxed,))
 
     for op in ops:
         if op["op"] == "free":
@@ -132,8 +149,16 @@ def _emit(
             continue
         node = g.nodes[op["node"]]
         args, kwargs = fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
-        target = torch.ops.aten.add_.Tensor if node.fx_node.meta.get(IN_PLACE) else node.fx_node.target
-        if node.id in replayed and node.id in states:  # a replay: same random numbers as the first run
+        in_place = node.fx_node.meta.get(IN_PLACE) and not compiled
+        target = torch.ops.aten.add_.Tensor if in_place else node.fx_node.target
+        if node.id in replayed and compiled:
+            if node.id in states:
+                result = _call(graph, rng_prims.run_with_rng_state, (states[node.id], target, *args), kwargs, "replay")
+            else:
+                pair = _call(graph, rng_prims.run_and_save_rng_state, (target, *args), kwargs, "run")
+                states[node.id] = _call(graph, operator.getitem, (pair, 0), {}, "rng_state")
+                result = _call(graph, operator.getitem, (pair, 1), {}, node.fx_node.name)
+        elif node.id in replayed and node.id in states:  # a replay: same random numbers as the first run
             replay_args = (states[node.id], device_of(node), target, *args)
             result = _call(graph, run_with_rng_state, replay_args, kwargs, node.fx_node.name)
         else:
@@ -153,8 +178,11 @@ def _emit(
 
 
 def _call(graph: fx.Graph, target, args, kwargs, name: str) -> fx.Node:
-    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return graph.create_node("call_function", target, tuple(args), kwargs, name=clean)
+    return graph.create_node("call_function", target, tuple(args), kwargs, name=_clean(name))
+
+
+def _clean(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
 
 
 def device_of(node) -> str:

@@ -10,6 +10,8 @@ seen (on CUDA, ``torch.cuda.max_memory_allocated`` sees them; see ``cuda_peak``)
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .errors import RematError
+
 
 @dataclass
 class StepMemory:
@@ -27,6 +31,8 @@ class StepMemory:
 
 
 class _Tracker(TorchDispatchMode):
+    supports_higher_order_operators = True  # a compiled phase's RNG operators run through it too
+
     def __init__(self, preexisting: set[int]) -> None:
         super().__init__()
         self.preexisting = preexisting
@@ -97,3 +103,32 @@ def cuda_peak(step: Callable[[], None]) -> int:
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def rss_peak(step: Callable[[], None]) -> int:
+    """Bytes of the process's resident memory at the peak of ``step()``, above the start (Linux).
+
+    It sees everything the process allocates, compiled code's buffers included (which a dispatch
+    mode does not), parameter gradients made by the step too. Freed memory leaves the resident
+    set only where the C allocator returns it: the process must run with
+    ``MALLOC_MMAP_THRESHOLD_=65536`` in its environment (blocks of 64 KiB and more mapped, and
+    unmapped when freed)."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        raise RematError(
+            "rss_peak needs freed tensors to leave the resident set: start the process with "
+            "MALLOC_MMAP_THRESHOLD_=65536 in its environment"
+        )
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from the current resident set
+    before = _status_bytes("VmRSS")
+    step()
+    return _status_bytes("VmHWM") - before
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RematError(f"/proc/self/status has no {field}: rss_peak needs Linux")

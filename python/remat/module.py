@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import warnings
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,6 +54,8 @@ class Remat(nn.Module):
         mip_gap: relative optimality gap at which an ILP stops.
         slots: memory slots of the DP over blocks (``"rockmate"``, ``"rotor"``): more is finer
             and slower.
+        compile: run the planned forward and backward phases (recomputations included) through
+            Inductor, each compiled at its first call (``remat.inductor``).
 
     The budget covers the whole step, the user's loss included (``remat.boundary``): the first
     training step measures what the code between this module's forward and backward holds (the
@@ -73,10 +75,13 @@ class Remat(nn.Module):
         time_limit: float = 30.0,
         mip_gap: float = 0.01,
         slots: int = 500,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        if compile and solver == "none":
+            raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
         if isinstance(budget, float) and not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
         self.model = model
@@ -87,7 +92,7 @@ class Remat(nn.Module):
         _check_device(model, args, kwargs)
         self._sample_signature = _signature(args, kwargs)
         self._budget_arg = budget
-        self._options = _Options(solver, time_limit, mip_gap, slots)
+        self._options = _Options(solver, time_limit, mip_gap, slots, compile)
         self._plan: _Plan | None = None
         self._measure = _Measure()
         if solver != "none":
@@ -185,6 +190,7 @@ class _Options:
     time_limit: float
     mip_gap: float
     slots: int
+    compile: bool
 
 
 class _Measure:
@@ -361,7 +367,8 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
 
     def solve(held_back: int) -> dict[str, Any]:
         budget = max(target - held_back, 0)
-        return json.loads(_core.plan(graph_json, budget, *astuple(options)))
+        o = options
+        return json.loads(_core.plan(graph_json, budget, o.solver, o.time_limit, o.mip_gap, o.slots))
 
     # Plain PyTorch needs no RNG replays or buffer copies; otherwise room is held back for them:
     # first for every random node and copied buffer, then for what the schedule replays.
@@ -379,7 +386,7 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
             tighter_reserve = _reserve(g, tighter, copied)
             if tighter["predicted"]["peak_bytes"] + tighter_reserve <= target:
                 schedule, held_back = tighter, tighter_reserve
-    phases = build_phases(g, schedule)
+    phases = build_phases(g, schedule, options.compile)
     return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
 
 

@@ -1,0 +1,139 @@
+"""Speed at a memory level: eager PyTorch, ``torch.utils.checkpoint`` on every layer, torch.compile's
+own budget (``torch._functorch.config.activation_memory_budget``) at several values, and remat
+eager and compiled (``compile=True``) at several budgets, measured side by side in one process.
+
+Each run's step time is the median of ``--steps`` steps, each run right after an eager step,
+and is given as a ratio to the median of those eager steps. The peak is one step's: peak RSS on
+CPU (``remat.rss_peak``; the script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``),
+``torch.cuda.max_memory_allocated`` on CUDA (bf16 autocast there); parameter gradients made by
+the step are included in every row. The loss is ``logits.pow(2).mean()`` outside the model.
+
+    .venv/bin/python benches/compile_gpt2.py                       # GPT-2 6L, n_embd 256, 4 x 256
+    .venv/bin/python benches/compile_gpt2.py --layers 12 --remat 0.5 0.3
+    python benches/compile_gpt2.py --device cuda --layers 12 --batch 8 --seq 512
+    .venv/bin/python benches/compile_gpt2.py --resnet              # torchvision ResNet-18, MSE loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import remat
+import torch
+import torch.nn.functional as F
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--embd", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--resnet", action="store_true", help="torchvision ResNet-18 on batch x 3 x seq x seq")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--knob", type=float, nargs="*", default=[1.0, 0.5, 0.2, 0.1, 0.0])
+    parser.add_argument("--remat", type=float, nargs="*", default=[0.5, 0.4, 0.3])
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    if not cuda and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # rss_peak needs it from the start
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+
+    torch.manual_seed(0)
+    model, sample, loss_of, name = _model(args)
+    autocast = torch.autocast("cuda", torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    def step_of(runner: Callable) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            with autocast:
+                loss = loss_of(runner(sample))
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+
+        return step
+
+    eager = step_of(model)
+    rows: list[tuple[str, int, float]] = []
+
+    def run(label: str, runner: Callable, warmup: int = 2) -> None:
+        step = step_of(runner)
+        for _ in range(warmup):  # compilation; remat plans again for the loss on its first step
+            step()
+        peak = remat.cuda_peak(step) if cuda else remat.rss_peak(step)
+        ours, theirs = [], []
+        for _ in range(args.steps):
+            theirs.append(_timed(eager))
+            ours.append(_timed(step))
+        rows.append((label, peak, statistics.median(ours) / statistics.median(theirs)))
+        print(f"{label}: {peak / 2**20:.1f} MiB, {rows[-1][2]:.2f}x eager", flush=True)
+
+    run("eager", model)
+    eager_peak = rows[0][1]
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+        run("torch.utils.checkpoint, every layer", model)
+        model.gradient_checkpointing_disable()
+    for budget in args.knob:
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            compiled = torch.compile(model)
+            run(f"torch.compile, budget {budget}", compiled)
+    for compile in (False, True):
+        for budget in args.remat:
+            try:
+                with autocast:
+                    rm = remat.Remat(model, sample, budget, compile=compile)
+                run(f"remat{' compiled' if compile else ''}, budget {budget}", rm)
+            except remat.InfeasibleBudget as exc:  # the first step measured a loss that leaves no room
+                print(f"remat, budget {budget}: {exc}", flush=True)
+
+    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\n{name}, {where}; peaks as a share of eager's {eager_peak / 2**20:.0f} MiB")
+    print("| run | measured peak | step vs eager |")
+    print("|---|---|---|")
+    for label, peak, ratio in rows:
+        print(f"| {label} | {peak / 2**20:.1f} MiB ({peak / eager_peak:.0%}) | {ratio:.2f}x |")
+
+
+def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
+    if args.resnet:
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10).to(args.device).train()
+        images = torch.randn(args.batch, 3, args.seq, args.seq, device=args.device)
+        target = torch.randn(args.batch, 10, device=args.device)
+        return model, images, lambda out: F.mse_loss(out.float(), target), f"ResNet-18, {args.batch} x 3 x {args.seq}²"
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=args.layers,
+        n_embd=args.embd,
+        n_head=max(1, args.embd // 64),
+        vocab_size=args.vocab,
+        resid_pdrop=args.dropout,
+        embd_pdrop=args.dropout,
+        attn_pdrop=args.dropout,
+    )
+    model = GPT2LMHeadModel(config).to(args.device).train()
+    tokens = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
+    name = f"GPT-2 {args.layers}L, n_embd {args.embd}, vocab {args.vocab}, {args.batch} x {args.seq} tokens"
+    return model, tokens, lambda out: out.logits.float().pow(2).mean(), name
+
+
+def _timed(step: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    main()

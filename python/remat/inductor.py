@@ -1,0 +1,48 @@
+"""A phase run through Inductor: decomposed as ``torch.compile`` decomposes, compiled at its first call.
+
+The phase keeps the planned order of its ops: each phase is one Inductor graph whose inputs are
+the values the plan hands it, and Inductor's own reordering for peak memory is off, so
+recomputations stay where the plan put them. Inductor fuses chains of pointwise ops and reuses
+dying buffers, which only removes intermediate tensors from what the plan counted.
+Compiling sees fake tensors only: it holds no memory of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx_inner
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+log = logging.getLogger("remat")
+
+
+class CompiledPhase:
+    """Called like an eager phase, with a list of inputs that it empties; compiled at the first call."""
+
+    def __init__(self, gm: fx.GraphModule, backward: bool) -> None:
+        self.gm = gm
+        self.backward = backward
+        self._compiled: Any = None
+
+    def __call__(self, inputs: list) -> tuple:
+        if self._compiled is None:
+            t0 = time.perf_counter()
+            self._compiled = _compile(self.gm, inputs, self.backward)
+            self.gm = None
+            phase = "backward" if self.backward else "forward"
+            log.info("remat: compiled the %s phase with Inductor in %.2f s", phase, time.perf_counter() - t0)
+        return self._compiled(inputs)
+
+
+def _compile(gm: fx.GraphModule, inputs: list, backward: bool):
+    with torch.no_grad(), inductor_config.patch(reorder_for_peak_memory=False, fallback_random=True):
+        traced = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
+        examples = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
+        return compile_fx_inner(traced, examples, is_backward=backward)
