@@ -12,7 +12,8 @@
 //! - The input `x_0` is never counted (it is the caller's). The output `x_L` and its gradient
 //!   `δ_L` are held by the caller until the step ends: `x_L` counts for the whole step, `δ_L`
 //!   from the loss on, and [`Chain::extra_bytes`] (what the executor keeps, e.g. RNG states) for
-//!   the whole step.
+//!   the whole step. [`Chain::loss_bytes`] (what the forward phase holds to its end: the user's
+//!   loss, buffer updates) counts at the loss only, before `δ_L` arrives.
 //! - A copy of `x_L` computed after the loss (a recomputation of the last block) counts too.
 //! - Each op allocates its outputs, then peaks with its temporaries on top.
 //! - A [`Block::once`] block runs exactly once, with grad (`Fe`), before the loss.
@@ -154,6 +155,14 @@ pub struct Chain {
     /// Bytes the executor holds for the whole step (e.g. saved RNG states).
     #[serde(default)]
     pub extra_bytes: u64,
+    /// Bytes alive at the loss besides the chain's, released as `δ_L` arrives: what the forward
+    /// phase holds to its end (the user's loss, buffer updates).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub loss_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Serialize, Deserialize)]
@@ -289,9 +298,15 @@ impl Chain {
             deltas: Vec::new(),
             blocks,
             extra_bytes,
+            loss_bytes: 0,
         };
         chain.validate()?;
         Ok(chain)
+    }
+
+    /// The chain with `loss_bytes` alive at the loss ([`Chain::loss_bytes`]).
+    pub fn with_loss_bytes(self, loss_bytes: u64) -> Chain {
+        Chain { loss_bytes, ..self }
     }
 
     /// The chain with gradients `δ_i` of `deltas[i]` bytes (`len() + 1` entries) instead of
@@ -614,9 +629,9 @@ impl<'c> Replay<'c> {
                 if !self.x[last].alive() {
                     return Err(format!("the output x_{last} is not alive"));
                 }
+                self.peak(self.live + self.chain.loss_bytes);
                 self.backward = true;
                 self.delta = Some(last);
-                self.peak(self.live);
                 if self.x[last] == Held::Plain {
                     self.release_x(last); // handed to the caller, who holds it from now on
                 }

@@ -366,6 +366,8 @@ struct Costs {
     output_copy: u64,
     /// `δ_L`, rounded down: room for the ops before the loss ([`Costs::forward_held`]).
     loss_gradient: u64,
+    /// [`Chain::loss_bytes`]: what the loss needs beside the chain's ([`Costs::loss_need`]).
+    loss_bytes: u64,
     forward_temp: Vec<u64>,
     /// [`crate::chain::Block::forward_peak_bytes`].
     nograd_own_peak: Vec<Option<u64>>,
@@ -499,6 +501,7 @@ impl Costs {
             delta,
             output_copy: up(chain.sizes[len]),
             loss_gradient: chain.delta(len) / unit,
+            loss_bytes: up(chain.loss_bytes),
             forward_temp: chain
                 .blocks
                 .iter()
@@ -540,7 +543,12 @@ impl Costs {
         }
         key.push(self.x[i]);
         if i == len {
-            key.extend([u64::MAX, self.output_copy, self.loss_gradient]);
+            key.extend([
+                u64::MAX,
+                self.output_copy,
+                self.loss_gradient,
+                self.loss_bytes,
+            ]);
             return key;
         }
         key.extend([
@@ -577,6 +585,11 @@ impl Costs {
         } else {
             self.delta[b + 1] + need
         }
+    }
+
+    /// Memory `T(·, L, L)` (the loss) needs: [`Chain::loss_bytes`], before `δ_L` arrives.
+    fn loss_need(&self) -> u64 {
+        self.forward_held(self.len, self.loss_bytes)
     }
 
     /// The checkpoints `x_j` that `T(·, a, b)` may take: blocks `a` to `j-1` run without grad,
@@ -1083,7 +1096,7 @@ fn min_memory(costs: &Costs) -> u64 {
             };
         }
         let best = if a == len {
-            0
+            costs.loss_need()
         } else {
             let dropping = |r: usize| {
                 let later = need[pairs.at(a + 2, b)];
@@ -1260,8 +1273,11 @@ impl Table {
     /// earliest checkpoint.
     fn best_row(&self, costs: &Costs, a: usize, b: usize, time: &mut [f64], choice: &mut [u32]) {
         if a == costs.len {
-            time.fill(0.0);
-            choice.fill(LOSS);
+            let from = (costs.loss_need() as usize).min(time.len());
+            time[..from].fill(f64::INFINITY);
+            choice[..from].fill(NONE);
+            time[from..].fill(0.0);
+            choice[from..].fill(LOSS);
             return;
         }
         time.fill(f64::INFINITY);

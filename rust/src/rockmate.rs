@@ -393,21 +393,21 @@ fn chain_of(
             }
         })
         .collect();
-    let held: u64 = sg
-        .storages
-        .iter()
-        .filter(|st| st.hold == Hold::Step)
-        .map(|st| st.bytes)
-        .sum();
+    let held_for = |hold: Hold| -> u64 {
+        let held = sg.storages.iter().filter(|st| st.hold == hold);
+        held.map(|st| st.bytes).sum()
+    };
     // The tangents (gradients of the outputs) arrive at the loss: `δ_L`.
     let mut deltas = partition.deltas.clone();
     *deltas.last_mut().expect("a chain has cuts") += sg.tangent_bytes;
-    Chain::new(
+    let chain = Chain::new(
         partition.sizes.clone(),
         chain_blocks,
-        held + partition.long_span_bytes,
-    )?
-    .with_deltas(deltas)
+        held_for(Hold::Step) + partition.long_span_bytes,
+    )?;
+    Ok(chain
+        .with_deltas(deltas)?
+        .with_loss_bytes(held_for(Hold::ForwardPhase)))
 }
 
 /// Slots of one more solve, at the budget itself, on a short chain: a DP solve costs about

@@ -716,7 +716,7 @@ impl Search<'_> {
                 }
             }
         }
-        if !s.backward && s.x[len] != ABSENT {
+        if !s.backward && s.x[len] != ABSENT && live + self.chain.loss_bytes <= room {
             let mut next = s.clone();
             next.backward = true;
             next.delta = len as u8;
@@ -887,7 +887,8 @@ fn arb_option(own_peaks: bool) -> impl Strategy<Value = BlockOption> {
 }
 
 /// Chains of up to 6 blocks; gradients of their own sizes half of the time, a quarter of the
-/// blocks `once`, and the last one half of the time (a model output); own peaks on blocks and
+/// blocks `once`, and the last one half of the time (a model output); bytes held at the loss
+/// half of the time (the user's loss, buffer updates); own peaks on blocks and
 /// options a third of the time if `own_peaks`. Half of the chains repeat their first one or two
 /// blocks (sizes and gradients too), as layers do: the DP's tables share the rows of equal
 /// sub-chains.
@@ -915,14 +916,14 @@ fn arb_chain(own_peaks: bool) -> impl Strategy<Value = Chain> {
             deltas,
             blocks,
             prop::bool::weighted(0.5),
-            0..3u64,
+            (0..3u64, prop_oneof![Just(0u64), 0..12u64]),
             (
                 prop_oneof![Just(n), 1..=2usize],
                 prop::array::uniform3(prop::bool::weighted(0.8)),
             ),
         )
             .prop_map(
-                |(mut sizes, mut deltas, mut blocks, last_once, extra, repeats)| {
+                |(mut sizes, mut deltas, mut blocks, last_once, (extra, loss), repeats)| {
                     // Mostly equal blocks, some of them different in one respect only.
                     let (period, [same_sizes, same_deltas, same_once]) = repeats;
                     for i in period..blocks.len() {
@@ -940,7 +941,7 @@ fn arb_chain(own_peaks: bool) -> impl Strategy<Value = Chain> {
                     }
                     blocks.last_mut().unwrap().once |= last_once;
                     let chain = Chain::new(sizes, blocks, extra).unwrap();
-                    chain.with_deltas(deltas).unwrap()
+                    chain.with_deltas(deltas).unwrap().with_loss_bytes(loss)
                 },
             )
     })
@@ -1025,6 +1026,7 @@ fn scaled(chain: Chain) -> Chain {
         .unwrap()
         .with_deltas(chain.deltas.iter().map(up).collect())
         .unwrap()
+        .with_loss_bytes(chain.loss_bytes * 1000)
 }
 
 /// Fn or Fck of a block.
