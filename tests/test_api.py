@@ -100,11 +100,11 @@ def test_infeasible_budget_names_the_smallest_feasible_one() -> None:
         remat.Remat(model, sample, smallest - 1024)
 
 
-def test_call_with_other_shapes_raises() -> None:
+def test_call_with_other_shapes_beyond_max_plans_raises() -> None:
     torch.manual_seed(0)
     model, sample = mlp()
-    rm = remat.Remat(model, sample, None)
-    with pytest.raises(remat.InputMismatch, match=r"\[16, 64\]"):
+    rm = remat.Remat(model, sample, None, max_plans=1)
+    with pytest.raises(remat.InputMismatch, match=r"\[16, 64\].*planned: inputs \[32, 64\]"):
         rm(torch.randn(16, 64))
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import _core, tree
+from .amp import autocast_state, no_autocast
 from .boundary import (
     LOSS_SCALARS,
     Outside,
@@ -43,9 +44,10 @@ class Remat(nn.Module):
     Args:
         model: any module ``torch.compile`` can capture without graph breaks.
         sample: the inputs of one call: a tensor, a tuple of positional arguments, or a dict of
-            keyword arguments. Calls must use inputs of the same shapes, dtypes and device.
+            keyword arguments, planned for now (under the autocast state of this call).
         budget: bytes (int), a fraction in (0, 1] of plain PyTorch's activation peak (float),
-            or ``None`` for no limit.
+            or ``None`` for no limit. Bytes stay bytes for every plan; a fraction is of each
+            plan's own plain peak.
         solver: ``"rockmate"`` (blocks, per-block ILP options, DP over the chain of blocks),
             ``"rotor"`` (DP over the same blocks, each stored or recomputed whole),
             ``"checkmate"`` (one ILP over the whole graph) or ``"none"`` (plain PyTorch, for
@@ -56,6 +58,15 @@ class Remat(nn.Module):
             and slower.
         compile: run the planned forward and backward phases (recomputations included) through
             Inductor, each compiled at its first call (``remat.inductor``).
+        max_plans: how many plans are kept (see below).
+
+    A plan belongs to an input signature (the shapes, dtypes and devices of the tensors, the
+    other arguments), an autocast state (``torch.autocast``: enabled or not, and its dtype) and
+    the parameters' devices and dtypes. A training call with a new combination plans for it once
+    (logged with its time) and keeps the plan; ``plan_for`` plans ahead. When ``max_plans``
+    plans are kept, a call that needs another raises ``InputMismatch``: a loop whose every batch
+    has a new shape would plan on every step, so pad batches to a few shapes instead. Build the
+    wrapper under the autocast state it trains in, so that its first plan serves.
 
     The budget covers the whole step, the user's loss included (``remat.boundary``): the first
     training step measures what the code between this module's forward and backward holds (the
@@ -76,6 +87,7 @@ class Remat(nn.Module):
         mip_gap: float = 0.01,
         slots: int = 500,
         compile: bool = False,
+        max_plans: int = 8,
     ) -> None:
         super().__init__()
         if solver not in SOLVERS:
@@ -84,27 +96,61 @@ class Remat(nn.Module):
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
         if isinstance(budget, float) and not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+        if max_plans < 1:
+            raise ValueError(f"max_plans must be at least 1, got {max_plans}")
         self.model = model
         self._register_state_dict_hook(_model_keys)
         self._register_load_state_dict_pre_hook(_wrapper_keys)
         self.solver = solver
-        args, kwargs = _as_call(sample)
-        _check_device(model, args, kwargs)
-        self._sample_signature = _signature(args, kwargs)
         self._budget_arg = budget
         self._options = _Options(solver, time_limit, mip_gap, slots, compile)
-        self._plan: _Plan | None = None
-        self._measure = _Measure()
-        if solver != "none":
-            # With a budget, measuring runs a first schedule planned from sizes and estimated times.
-            first = None if budget is None else lambda g: _first_plan(g, budget, self._options)
-            self._base = trace(model, args, kwargs, first)
-            if budget is None:
-                self._measure.done = True
-                self._plan = _make_plan(self._base, Outside(0), None, self._options)
-            else:
-                self._plan = _first_plan(self._base, budget, self._options)
-            self._plan.measure = self._measure
+        self.max_plans = max_plans
+        self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
+        self._current: _Planned | None = None
+        _check_device(model, *_as_call(sample))
+        self.plan_for(sample)
+
+    def plan_for(self, sample: Any) -> None:
+        """Plans now for calls like ``sample`` under the current autocast state (a training call
+        with a new signature would plan for it on the way)."""
+        if self.solver == "none":
+            return
+        args, kwargs = _as_call(sample)
+        key = self._key(args, kwargs)
+        if key not in self._plans:
+            self._add_plan(key, args, kwargs)
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        params = {(p.device, p.dtype) for p in self.model.parameters()}
+        return _signature(args, kwargs), autocast_state(), tuple(sorted(params, key=str))
+
+    def _add_plan(self, key: tuple, args: tuple, kwargs: dict) -> _Planned:
+        if len(self._plans) >= self.max_plans:
+            planned = "; ".join(_describe(k) for k in self._plans)
+            raise InputMismatch(
+                f"remat keeps {self.max_plans} plans and this call needs another ({_describe(key)}; planned: "
+                f"{planned}): pad inputs to a few shapes, or pass a larger max_plans"
+            )
+        _check_device(self.model, args, kwargs)
+        t0 = time.perf_counter()
+        budget, options = self._budget_arg, self._options
+        measure = _Measure()
+        # With a budget, measuring runs a first schedule planned from sizes and estimated times.
+        first = None if budget is None else lambda g: _first_plan(g, budget, options)
+        base = trace(self.model, args, kwargs, first)
+        if budget is None:
+            measure.done = True
+            plan = _make_plan(base, Outside(0), None, options)
+        else:
+            plan = _first_plan(base, budget, options)
+        plan.measure = measure
+        self._current = self._plans[key] = _Planned(base, measure, plan)
+        log.info("remat: planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
+        return self._current
+
+    @property
+    def _plan(self) -> _Plan | None:
+        return None if self._current is None else self._current.plan
 
     # What was planned, for reports and tests.
     @property
@@ -141,38 +187,39 @@ class Remat(nn.Module):
         return None if self._plan is None else self._plan.outside
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._plan is None or not self.training or not torch.is_grad_enabled():
+        if self.solver == "none" or not self.training or not torch.is_grad_enabled():
             return self.model(*args, **kwargs)
-        if _signature(args, kwargs) != self._sample_signature:
-            raise InputMismatch(
-                "inputs differ from the sample this model was planned for: got "
-                f"{_describe(_signature(args, kwargs))}, planned for {_describe(self._sample_signature)}; "
-                "build a new Remat with a sample of the new shapes"
-            )
-        self._measure.settle()
-        if self._measure.outside is not None:
-            self._plan_for_measured()
-        return self._plan.run(self.model, args, kwargs)
+        key = self._key(args, kwargs)
+        planned = self._plans.get(key)
+        if planned is None:
+            planned = self._add_plan(key, args, kwargs)
+        self._plans.move_to_end(key)
+        self._current = planned
+        planned.measure.settle()
+        if planned.measure.outside is not None:
+            self._plan_for_measured(planned)
+        return planned.plan.run(self.model, args, kwargs)
 
-    def _plan_for_measured(self) -> None:
+    def _plan_for_measured(self, planned: _Planned) -> None:
         """Plan again for what the first step measured outside the graph (once)."""
-        measured, self._measure.outside = self._measure.outside, None
-        self._measure.done = True
-        planned = self._plan.outside
-        loss_over = measured.loss_bytes - planned.loss_bytes
-        held_over = measured.held_bytes - planned.held_bytes
+        measure = planned.measure
+        measured, measure.outside = measure.outside, None
+        measure.done = True
+        current = planned.plan
+        loss_over = measured.loss_bytes - current.outside.loss_bytes
+        held_over = measured.held_bytes - current.outside.held_bytes
         # The plan stands where it fits and wastes little of the budget.
-        same_outputs = (measured.no_grad, measured.released) == (planned.no_grad, planned.released)
-        if same_outputs and max(loss_over, held_over) <= self._plan.slack():
-            if min(loss_over, held_over) >= -0.01 * self._plan.budget:
+        same_outputs = (measured.no_grad, measured.released) == (current.outside.no_grad, current.outside.released)
+        if same_outputs and max(loss_over, held_over) <= current.slack():
+            if min(loss_over, held_over) >= -0.01 * current.budget:
                 return
         t0 = time.perf_counter()
         try:
-            plan = _make_plan(self._base, measured, self._budget_arg, self._options)
+            plan = _make_plan(planned.base, measured, self._budget_arg, self._options)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
-        plan.measure = self._measure
-        self._plan = plan
+        plan.measure = measure
+        planned.plan = plan
         log.info(
             "remat: planned again for the step's loss (%d bytes between forward and backward, %d held through the "
             "backward; %d outputs without gradient, %d released before the backward) in %.2f s",
@@ -182,6 +229,15 @@ class Remat(nn.Module):
             len(measured.released),
             time.perf_counter() - t0,
         )
+
+
+@dataclass
+class _Planned:
+    """One plan kept by ``Remat``: the traced graph, the first step's measurement, the plan."""
+
+    base: JointGraph
+    measure: _Measure
+    plan: _Plan
 
 
 @dataclass(frozen=True)
@@ -287,8 +343,12 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
     return (spec, tuple(repr(c) for c in consts), metas)
 
 
-def _describe(signature: tuple) -> str:
-    return ", ".join(f"{list(s)} {str(d).removeprefix('torch.')} on {dev}" for s, d, dev, _ in signature[2])
+def _describe(key: tuple) -> str:
+    """A plan's key in words: its inputs' shapes, dtypes and devices, and its autocast state."""
+    signature, autocast, _ = key
+    inputs = ", ".join(f"{list(s)} {str(d).removeprefix('torch.')} on {dev}" for s, d, dev, _ in signature[2])
+    casts = [f"{dev} {str(dtype).removeprefix('torch.')}" for dev, dtype in autocast]
+    return f"inputs {inputs or 'without tensors'}" + (f" under autocast ({', '.join(casts)})" if casts else "")
 
 
 @dataclass
@@ -427,7 +487,8 @@ class _Step(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         g, phases = plan.graph, plan.phases
         by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
-        result = phases.forward([by_vid[v] for v in phases.forward_inputs])
+        with no_autocast():
+            result = phases.forward([by_vid[v] for v in phases.forward_inputs])
         n_out = len(phases.forward_outputs)
         produced = dict(zip(phases.forward_outputs, result[:n_out]))
         ctx.plan, ctx.vids = plan, vids
@@ -453,7 +514,8 @@ class _Step(torch.autograd.Function):
         args += ctx.saved
         ctx.saved = None
         del tangents, grad_outputs
-        grads = dict(zip(phases.grads, phases.backward(args)))
+        with no_autocast():
+            grads = dict(zip(phases.grads, phases.backward(args)))
         by_input = _grads_by_input(g, grads)
         return (None, None, *[by_input.get(v) for v in ctx.vids])
 

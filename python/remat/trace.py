@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .amp import no_autocast
 from .boundary import Outside, copy_profile
 from .capture import capture, flatten_inputs
 from .graph import JointGraph, accumulate_in_place, build_graph
@@ -21,8 +22,17 @@ def trace(
 
     With ``plan``, the graph is measured under the schedule ``plan`` makes of it from sizes and
     estimated times (``profile.estimate``), so that measuring holds what that schedule holds;
-    without, in plain PyTorch's order, holding what a plain step holds."""
+    without, in plain PyTorch's order, holding what a plain step holds. The graph holds the
+    casts of the autocast state of the call (``remat.amp``)."""
     g = build_graph(capture(model, args, kwargs), type(model).__name__)
+    with no_autocast():
+        return _measured(g, model, args, kwargs, plan)
+
+
+def _measured(
+    g: JointGraph, model: nn.Module, args: tuple, kwargs: dict, plan: Callable[[JointGraph], Planned] | None
+) -> JointGraph:
+    """``g`` with estimated, then measured, times and sizes (:func:`trace`)."""
     estimate(g)
     accumulate_in_place(g)
     tensors, _, _ = flatten_inputs(args, kwargs)
