@@ -160,3 +160,16 @@ def test_a_model_moved_to_another_dtype_is_planned_again() -> None:
     for g, want in zip(grads, want_grads):
         assert g.dtype == torch.float64
         torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+
+
+def test_planning_logs_its_stages_and_shows_progress(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(remat.stages, "BAR_DELAY", 0.0)
+    model = _gpt2()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        remat.Remat(model, _tokens(2), 0.5)
+    stages = [r.getMessage().split(" ")[0] for r in caplog.records]
+    assert stages == ["capture", "solve", "build", "profile", "solve", "build", "planned"]
+    assert "remat: planning GPT2LMHeadModel" in capsys.readouterr().err

@@ -37,7 +37,7 @@ class CompiledPhase:
             self._compiled = _compile(self.gm, inputs, self.backward)
             self.gm = None
             phase = "backward" if self.backward else "forward"
-            log.info("remat: compiled the %s phase with Inductor in %.2f s", phase, time.perf_counter() - t0)
+            log.info("compiled the %s phase with Inductor in %.2f s", phase, time.perf_counter() - t0)
         return self._compiled(inputs)
 
 

@@ -30,6 +30,7 @@ from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
 from .executor import Phases, build_phases, device_of, save_rng_state
 from .graph import JointGraph
+from .stages import planning, stage
 from .trace import graph_inputs, trace
 
 SOLVERS = ("rockmate", "rotor", "checkmate", "none")
@@ -137,15 +138,16 @@ class Remat(nn.Module):
         measure = _Measure()
         # With a budget, measuring runs a first schedule planned from sizes and estimated times.
         first = None if budget is None else lambda g: _first_plan(g, budget, options)
-        base = trace(self.model, args, kwargs, first)
-        if budget is None:
-            measure.done = True
-            plan = _make_plan(base, Outside(0), None, options)
-        else:
-            plan = _first_plan(base, budget, options)
+        with planning(type(self.model).__name__, stages=4 if budget is None else 6):
+            base = trace(self.model, args, kwargs, first)
+            if budget is None:
+                measure.done = True
+                plan = _make_plan(base, Outside(0), None, options)
+            else:
+                plan = _first_plan(base, budget, options)
         plan.measure = measure
         self._current = self._plans[key] = _Planned(base, measure, plan)
-        log.info("remat: planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
+        log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
 
     @property
@@ -221,7 +223,7 @@ class Remat(nn.Module):
         plan.measure = measure
         planned.plan = plan
         log.info(
-            "remat: planned again for the step's loss (%d bytes between forward and backward, %d held through the "
+            "planned again for the step's loss (%d bytes between forward and backward, %d held through the "
             "backward; %d outputs without gradient, %d released before the backward) in %.2f s",
             measured.loss_bytes,
             measured.held_bytes,
@@ -435,18 +437,20 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
     copied = _buffers_to_copy(g)
     most = _reserve(g, None, copied)
     held_back = 0 if target >= plain_peak else most
-    try:
-        schedule = solve(held_back)
-    except InfeasibleBudget as exc:
-        raise InfeasibleBudget(target, exc.min_budget + most) from None
-    if held_back:
-        held_back = _reserve(g, schedule, copied)
-        if 0 < held_back < most:
-            tighter = solve(held_back)
-            tighter_reserve = _reserve(g, tighter, copied)
-            if tighter["predicted"]["peak_bytes"] + tighter_reserve <= target:
-                schedule, held_back = tighter, tighter_reserve
-    phases = build_phases(g, schedule, options.compile)
+    with stage(f"solve ({options.solver}, budget {target} bytes)"):
+        try:
+            schedule = solve(held_back)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(target, exc.min_budget + most) from None
+        if held_back:
+            held_back = _reserve(g, schedule, copied)
+            if 0 < held_back < most:
+                tighter = solve(held_back)
+                tighter_reserve = _reserve(g, tighter, copied)
+                if tighter["predicted"]["peak_bytes"] + tighter_reserve <= target:
+                    schedule, held_back = tighter, tighter_reserve
+    with stage("build"):
+        phases = build_phases(g, schedule, options.compile)
     return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
 
 

@@ -13,6 +13,7 @@ from .boundary import Outside, copy_profile
 from .capture import capture, flatten_inputs
 from .graph import JointGraph, accumulate_in_place, build_graph
 from .profile import estimate, profile
+from .stages import stage
 
 
 def trace(
@@ -24,7 +25,8 @@ def trace(
     estimated times (``profile.estimate``), so that measuring holds what that schedule holds;
     without, in plain PyTorch's order, holding what a plain step holds. The graph holds the
     casts of the autocast state of the call (``remat.amp``)."""
-    g = build_graph(capture(model, args, kwargs), type(model).__name__)
+    with stage("capture"):
+        g = build_graph(capture(model, args, kwargs), type(model).__name__)
     with no_autocast():
         return _measured(g, model, args, kwargs, plan)
 
@@ -37,16 +39,18 @@ def _measured(
     accumulate_in_place(g)
     tensors, _, _ = flatten_inputs(args, kwargs)
     if plan is None:
-        profile(g, graph_inputs(g, model, tensors), _sample_tangents(g, frozenset()))
+        with stage(f"profile ({len(g.nodes)} ops, plain order)"):
+            profile(g, graph_inputs(g, model, tensors), _sample_tangents(g, frozenset()))
     else:
         first = plan(g)
         no_grad = first.outside.no_grad
-        profile(
-            first.graph,
-            graph_inputs(first.graph, model, tensors),
-            _sample_tangents(first.graph, no_grad),
-            first.schedule,
-        )
+        with stage(f"profile ({len(g.nodes)} ops, under a first schedule from estimated times)"):
+            profile(
+                first.graph,
+                graph_inputs(first.graph, model, tensors),
+                _sample_tangents(first.graph, no_grad),
+                first.schedule,
+            )
         copy_profile(first.graph, g, tangents=False)
     accumulate_in_place(g)
     return g
