@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -188,6 +190,7 @@ class Remat(nn.Module):
         """What the plan holds room for outside the graph: the loss, and outputs without gradient."""
         return None if self._plan is None else self._plan.outside
 
+    @torch.compiler.disable  # torch.compile(rm) runs the plan as planned (compile=True: through Inductor)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.solver == "none" or not self.training or not torch.is_grad_enabled():
             return self.model(*args, **kwargs)
@@ -197,6 +200,8 @@ class Remat(nn.Module):
             planned = self._add_plan(key, args, kwargs)
         self._plans.move_to_end(key)
         self._current = planned
+        if not planned.measure.done and _under_dynamo():
+            planned.measure.give_up()
         planned.measure.settle()
         if planned.measure.outside is not None:
             self._plan_for_measured(planned)
@@ -263,6 +268,18 @@ class _Measure:
         self.window: Window | None = None  # open, or closed and not yet removed
         self.outside: Outside | None = None  # measured, not yet planned for
 
+    def give_up(self) -> None:
+        """No window: called from a torch.compile'd module, whose frames restore the dispatch
+        state on return, the window's mode could not outlive the call. The plan keeps its room
+        for the estimated loss."""
+        self.done = True
+        warnings.warn(
+            "remat: called from a torch.compile'd module, remat cannot measure the step's loss and keeps "
+            "room for its estimate (a few tensors of the outputs' size); to compile the planned step, use "
+            "remat.Remat(..., compile=True) and call it uncompiled",
+            stacklevel=3,
+        )
+
     def wanted(self) -> bool:
         return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
 
@@ -318,6 +335,21 @@ def _wrapper_keys(state_dict: dict, prefix: str, local_metadata, strict, missing
     """Loading takes the model's own keys (and, as saved before, the wrapper's)."""
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _MODEL)]:
         state_dict[prefix + _MODEL + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _under_dynamo() -> bool:
+    """Whether a torch.compile'd call (an optimizing ``torch._dynamo`` context, not the one that
+    disables it around ``forward``) is among the callers."""
+    from torch._dynamo.eval_frame import DisableContext, _TorchDynamoContext
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("_dynamo", "eval_frame.py")):
+            ctx = frame.f_locals.get("self")
+            if isinstance(ctx, _TorchDynamoContext) and not isinstance(ctx, DisableContext):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

@@ -1,0 +1,95 @@
+"""What users wrap around ``Remat``: ``torch.compile(rm)`` and ``DistributedDataParallel(rm)``
+(2 processes on gloo, CPU) train as the plain model does."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import remat
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+VOCAB = 256
+
+
+def _gpt2(dropout: float = 0.1) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    config.bos_token_id = config.eos_token_id = 0
+    return GPT2LMHeadModel(config).train()
+
+
+def _step(model, runner, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss = F.cross_entropy(runner(tokens).logits.flatten(0, 1), tokens.flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_torch_compile_of_the_wrapper() -> None:
+    """The plan runs as planned (the compiled module's frames cannot host the loss's measuring
+    window, so a warning says the plan keeps the estimated loss's room)."""
+    model = _gpt2()
+    tokens = torch.randint(VOCAB, (4, 32))
+    compiled = torch.compile(remat.Remat(model, tokens, 0.5))
+    want_loss, want_grads = _step(model, model, tokens)
+    with pytest.warns(UserWarning, match="torch.compile'd module"):
+        _step(model, compiled, tokens)
+    for _ in range(2):
+        loss, grads = _step(model, compiled, tokens)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+        for g, want in zip(grads, want_grads):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        tokens = torch.randint(VOCAB, (4, 32), generator=torch.Generator().manual_seed(rank))
+        model = _gpt2()
+        plain = torch.nn.parallel.DistributedDataParallel(model)
+        rm = torch.nn.parallel.DistributedDataParallel(remat.Remat(model, tokens, 0.5))
+        want_loss, want_grads = _step(model, plain, tokens)
+        results = []
+        for _ in range(3):
+            loss, grads = _step(model, rm, tokens)
+            results.append((loss, grads))
+        torch.save({"want": (want_loss, want_grads), "got": results}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_of_the_wrapper(tmp_path) -> None:
+    """Each rank trains on its own batch; the averaged gradients equal plain DDP's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ddp")
+    mp.spawn(_ddp_worker, args=(port, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for r in ranks:
+        want_loss, want_grads = r["want"]
+        for loss, grads in r["got"]:
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+            for g, want in zip(grads, want_grads):
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    for g0, g1 in zip(ranks[0]["got"][-1][1], ranks[1]["got"][-1][1]):
+        torch.testing.assert_close(g0, g1, rtol=0, atol=0)  # all-reduced
+    assert not torch.equal(ranks[0]["want"][0], ranks[1]["want"][0])  # the ranks' batches differ
