@@ -41,6 +41,10 @@ class InputMismatch(RematError):
     """A call's inputs differ from the sample the plan was made for."""
 
 
+class PlanFileError(RematError):
+    """A saved plan file that does not belong to this model, sample, budget or version."""
+
+
 class DeviceMismatch(RematError):
     """The sample and the model are not on the same device."""
 

@@ -9,7 +9,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,11 +30,12 @@ from .boundary import (
     with_outside,
 )
 from .capture import flatten_inputs
-from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch
+from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileError, RematError
 from .executor import Phases, build_phases, device_of, save_rng_state
 from .graph import JointGraph
+from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
-from .trace import graph_inputs, trace
+from .trace import captured, graph_inputs, profiled
 
 SOLVERS = ("rockmate", "rotor", "checkmate", "none")
 
@@ -62,6 +64,9 @@ class Remat(nn.Module):
         compile: run the planned forward and backward phases (recomputations included) through
             Inductor, each compiled at its first call (``remat.inductor``).
         max_plans: how many plans are kept (see below).
+        plan_dir: a directory where each plan is saved (``remat.saved``), and found again by a
+            later process with the same model, sample, budget, options and versions, which then
+            skips profiling and solving.
 
     A plan belongs to an input signature (the shapes, dtypes and devices of the tensors, the
     other arguments), an autocast state (``torch.autocast``: enabled or not, and its dtype) and
@@ -91,6 +96,7 @@ class Remat(nn.Module):
         slots: int = 500,
         compile: bool = False,
         max_plans: int = 8,
+        plan_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if solver not in SOLVERS:
@@ -108,6 +114,7 @@ class Remat(nn.Module):
         self._budget_arg = budget
         self._options = _Options(solver, time_limit, mip_gap, slots, compile)
         self.max_plans = max_plans
+        self.plan_dir = plan_dir
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._current: _Planned | None = None
         _check_device(model, *_as_call(sample))
@@ -138,17 +145,29 @@ class Remat(nn.Module):
         t0 = time.perf_counter()
         budget, options = self._budget_arg, self._options
         measure = _Measure()
-        # With a budget, measuring runs a first schedule planned from sizes and estimated times.
-        first = None if budget is None else lambda g: _first_plan(g, budget, options)
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
-            base = trace(self.model, args, kwargs, first)
-            if budget is None:
-                measure.done = True
-                plan = _make_plan(base, Outside(0), None, options)
+            base = captured(self.model, args, kwargs)
+            file = None
+            if self.plan_dir is not None:
+                fp = fingerprint(base, budget, astuple(options)[:-1])  # compiled or not, the same plan
+                file = _PlanFile(path_of(self.plan_dir, fp), fp)
+            if file is not None and file.path.exists():
+                saved = load(file.path, file.fp, base)
+                plan = _saved_plan(base, saved, budget, options, file.path)
+                measure.done = saved.measured
+                log.info("read the plan from %s", file.path)
             else:
-                plan = _first_plan(base, budget, options)
+                # With a budget, measuring runs a first schedule planned from sizes and estimated times.
+                first = None if budget is None else lambda g: _first_plan(g, budget, options)
+                profiled(base, self.model, args, kwargs, first)
+                if budget is None:
+                    measure.done = True
+                    plan = _make_plan(base, Outside(0), None, options)
+                else:
+                    plan = _first_plan(base, budget, options)
         plan.measure = measure
-        self._current = self._plans[key] = _Planned(base, measure, plan)
+        self._current = self._plans[key] = _Planned(base, measure, plan, file)
+        self._current.save()
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
 
@@ -219,6 +238,7 @@ class Remat(nn.Module):
         same_outputs = (measured.no_grad, measured.released) == (current.outside.no_grad, current.outside.released)
         if same_outputs and max(loss_over, held_over) <= current.slack():
             if min(loss_over, held_over) >= -0.01 * current.budget:
+                planned.save()
                 return
         t0 = time.perf_counter()
         try:
@@ -227,6 +247,7 @@ class Remat(nn.Module):
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
         plan.measure = measure
         planned.plan = plan
+        planned.save()
         log.info(
             "planned again for the step's loss (%d bytes between forward and backward, %d held through the "
             "backward; %d outputs without gradient, %d released before the backward) in %.2f s",
@@ -238,13 +259,26 @@ class Remat(nn.Module):
         )
 
 
+@dataclass(frozen=True)
+class _PlanFile:
+    path: Path
+    fp: str  # fingerprint of what the plan depends on
+
+
 @dataclass
 class _Planned:
-    """One plan kept by ``Remat``: the traced graph, the first step's measurement, the plan."""
+    """One plan kept by ``Remat``: the traced graph, the first step's measurement, the plan, and
+    the file it is saved in."""
 
     base: JointGraph
     measure: _Measure
     plan: _Plan
+    file: _PlanFile | None = None
+
+    def save(self) -> None:
+        if self.file is not None:
+            saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule)
+            save(self.file.path, self.file.fp, self.base, saved)
 
 
 @dataclass(frozen=True)
@@ -484,6 +518,27 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
     with stage("build"):
         phases = build_phases(g, schedule, options.compile)
     return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
+
+
+def _saved_plan(base: JointGraph, saved: Saved, budget: int | float | None, options: _Options, path: Path) -> _Plan:
+    """The plan of a plan file, once its schedule replays on the graph within the budget."""
+    g = with_outside(base, saved.outside)
+    graph_json = g.to_json()
+    min_budget, plain_peak = _core.budget_range(graph_json)
+    target = _target(budget, min_budget, plain_peak)
+    schedule = saved.schedule
+    copied = _buffers_to_copy(g)
+    held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
+    try:
+        peak = json.loads(_core.simulate(graph_json, json.dumps(schedule)))["peak_bytes"]
+    except RematError as exc:
+        raise PlanFileError(f"the schedule in {path} does not replay on this graph ({exc}); delete it") from None
+    if peak + held_back > target:
+        raise PlanFileError(f"the schedule in {path} peaks at {peak + held_back} bytes, over {target}; delete it")
+    with stage("build"):
+        phases = build_phases(g, schedule, options.compile)
+    floor = min_budget + _reserve(g, None, copied)
+    return _Plan(g, graph_json, schedule, phases, target, plain_peak, floor, held_back, saved.outside, copied)
 
 
 def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:

@@ -19,41 +19,46 @@ from .stages import stage
 def trace(
     model: nn.Module, args: tuple, kwargs: dict, plan: Callable[[JointGraph], Planned] | None = None
 ) -> JointGraph:
-    """The joint graph of one training step of ``model(*args, **kwargs)``, every node measured.
+    """The joint graph of one training step of ``model(*args, **kwargs)``, every node measured
+    (:func:`captured`, then :func:`profiled`)."""
+    g = captured(model, args, kwargs)
+    profiled(g, model, args, kwargs, plan)
+    return g
 
-    With ``plan``, the graph is measured under the schedule ``plan`` makes of it from sizes and
-    estimated times (``profile.estimate``), so that measuring holds what that schedule holds;
-    without, in plain PyTorch's order, holding what a plain step holds. The graph holds the
-    casts of the autocast state of the call (``remat.amp``)."""
+
+def captured(model: nn.Module, args: tuple, kwargs: dict) -> JointGraph:
+    """The joint graph of one training step, with sizes and aliases from its fake tensors and
+    estimated times. It holds the casts of the autocast state of the call (``remat.amp``)."""
     with stage("capture"):
         g = build_graph(capture(model, args, kwargs), type(model).__name__)
-    with no_autocast():
-        return _measured(g, model, args, kwargs, plan)
-
-
-def _measured(
-    g: JointGraph, model: nn.Module, args: tuple, kwargs: dict, plan: Callable[[JointGraph], Planned] | None
-) -> JointGraph:
-    """``g`` with estimated, then measured, times and sizes (:func:`trace`)."""
-    estimate(g)
-    accumulate_in_place(g)
-    tensors, _, _ = flatten_inputs(args, kwargs)
-    if plan is None:
-        with stage(f"profile ({len(g.nodes)} ops, plain order)"):
-            profile(g, graph_inputs(g, model, tensors), _sample_tangents(g, frozenset()))
-    else:
-        first = plan(g)
-        no_grad = first.outside.no_grad
-        with stage(f"profile ({len(g.nodes)} ops, under a first schedule from estimated times)"):
-            profile(
-                first.graph,
-                graph_inputs(first.graph, model, tensors),
-                _sample_tangents(first.graph, no_grad),
-                first.schedule,
-            )
-        copy_profile(first.graph, g, tangents=False)
-    accumulate_in_place(g)
+        estimate(g)
+        accumulate_in_place(g)
     return g
+
+
+def profiled(
+    g: JointGraph, model: nn.Module, args: tuple, kwargs: dict, plan: Callable[[JointGraph], Planned] | None = None
+) -> None:
+    """Measures every node of the captured ``g``. With ``plan``, under the schedule ``plan``
+    makes of it from sizes and estimated times (``profile.estimate``), so that measuring holds
+    what that schedule holds; without, in plain PyTorch's order, holding what a plain step holds."""
+    tensors, _, _ = flatten_inputs(args, kwargs)
+    with no_autocast():
+        if plan is None:
+            with stage(f"profile ({len(g.nodes)} ops, plain order)"):
+                profile(g, graph_inputs(g, model, tensors), _sample_tangents(g, frozenset()))
+        else:
+            first = plan(g)
+            no_grad = first.outside.no_grad
+            with stage(f"profile ({len(g.nodes)} ops, under a first schedule from estimated times)"):
+                profile(
+                    first.graph,
+                    graph_inputs(first.graph, model, tensors),
+                    _sample_tangents(first.graph, no_grad),
+                    first.schedule,
+                )
+            copy_profile(first.graph, g, tangents=False)
+    accumulate_in_place(g)
 
 
 class Planned(Protocol):
