@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# All of remat's checks: Rust tests, formatting and lints, Python tests. Installs what it needs.
+# All of remat's checks: Rust tests, formatting and lints, Python tests on the newest torch and,
+# against the installed wheel, on the oldest (scripts/wheel-test.sh). Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -12,5 +13,7 @@ PYO3_PYTHON="$PWD/.venv/bin/python" cargo clippy --release --quiet --all-targets
 echo "== ruff"
 ruff check python tests examples
 ruff format --check python tests examples
-echo "== pytest"
+echo "== pytest ($(python -c 'import torch; print("torch", torch.__version__)'))"
 python -m pytest -q "$@"
+echo "== the wheel, installed with the oldest supported torch"
+bash scripts/wheel-test.sh "$@"

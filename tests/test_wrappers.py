@@ -11,34 +11,7 @@ import remat
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
-
-VOCAB = 256
-
-
-def _gpt2(dropout: float = 0.1) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-    )
-    config.bos_token_id = config.eos_token_id = 0
-    return GPT2LMHeadModel(config).train()
-
-
-def _step(model, runner, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    loss = F.cross_entropy(runner(tokens).logits.flatten(0, 1), tokens.flatten())
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+from test_loop import VOCAB, _gpt2, _step
 
 
 def test_torch_compile_of_the_wrapper() -> None:
