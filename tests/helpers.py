@@ -90,16 +90,22 @@ def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
     each capture times its ops anew, and plans of differently timed graphs need not be monotone
     in the budget."""
     import remat.module
-    from remat.trace import trace
+    from remat.trace import captured, profiled
 
     traced = {}
 
-    def once(model, args, kwargs, plan=None):
+    def captured_once(model, args, kwargs):
         if "graph" not in traced:
-            traced["graph"] = trace(model, args, kwargs, plan)
+            traced["graph"] = captured(model, args, kwargs)
         return traced["graph"]
 
-    monkeypatch.setattr(remat.module, "trace", once)
+    def profiled_once(g, model, args, kwargs, plan=None):
+        if "profiled" not in traced:
+            profiled(g, model, args, kwargs, plan)
+            traced["profiled"] = True
+
+    monkeypatch.setattr(remat.module, "captured", captured_once)
+    monkeypatch.setattr(remat.module, "profiled", profiled_once)
 
 
 def budget_of(probe: remat.Remat, level: float) -> int:

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,8 @@ class Remat(nn.Module):
             base = captured(self.model, args, kwargs)
             file = None
             if self.plan_dir is not None:
-                fp = fingerprint(base, budget, astuple(options)[:-1])  # compiled or not, the same plan
+                solver = (options.solver, options.time_limit, options.mip_gap, options.slots)
+                fp = fingerprint(base, budget, solver)  # compiled or not, the same plan
                 file = _PlanFile(path_of(self.plan_dir, fp), fp)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
