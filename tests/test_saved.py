@@ -76,6 +76,13 @@ def test_foreign_broken_or_invalid_plan_files_are_rejected(tmp_path: Path) -> No
     with pytest.raises(remat.PlanFileError, match="does not replay on this graph"):
         remat.Remat(model, tokens, 0.6, plan_dir=other.parent)
 
+    data = json.loads(good)
+    forward = data["schedule"]["forward"]  # its frees moved to its end: it holds every activation
+    data["schedule"]["forward"] = sorted(forward, key=lambda op: op["op"] == "free")
+    other.write_text(json.dumps(data))
+    with pytest.raises(remat.PlanFileError, match=r"peaks at \d+ bytes, over \d+"):
+        remat.Remat(model, tokens, 0.6, plan_dir=other.parent)
+
     other.write_text(good)
     rm = remat.Remat(model, tokens, 0.6, plan_dir=other.parent)
     want = _step(model, model, tokens)

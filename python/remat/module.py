@@ -154,7 +154,7 @@ class Remat(nn.Module):
                 file = _PlanFile(path_of(self.plan_dir, fp), fp)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
-                plan = _saved_plan(base, saved, budget, options, file.path)
+                plan = _make_plan(base, saved.outside, budget, options, (saved.schedule, file.path))
                 measure.done = saved.measured
                 log.info("read the plan from %s", file.path)
             else:
@@ -488,20 +488,48 @@ def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int
     return int(budget * plain_peak) if isinstance(budget, float) else int(budget)
 
 
-def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, options: _Options) -> _Plan:
+def _make_plan(
+    base: JointGraph,
+    outside: Outside,
+    budget: int | float | None,
+    options: _Options,
+    saved: tuple[dict[str, Any], Path] | None = None,
+) -> _Plan:
+    """The plan of ``base`` with ``outside`` within ``budget``: solved, or the schedule of a plan
+    file (``saved``: the schedule and the file), once it replays on the graph within the budget."""
     g = with_outside(base, outside)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
     target = _target(budget, min_budget, plain_peak)
+    copied = _buffers_to_copy(g)
+    most = _reserve(g, None, copied)
+    if saved is None:
+        schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, options)
+    else:
+        schedule, path = saved
+        held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
+        try:
+            peak = json.loads(_core.simulate(graph_json, json.dumps(schedule)))["peak_bytes"]
+        except RematError as exc:
+            raise PlanFileError(f"the schedule in {path} does not replay on this graph ({exc}); delete it") from None
+        if peak + held_back > target:
+            raise PlanFileError(f"the schedule in {path} peaks at {peak + held_back} bytes, over {target}; delete it")
+    with stage("build"):
+        phases = build_phases(g, schedule, options.compile)
+    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
+
+
+def _solve(
+    g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], options: _Options
+) -> tuple[dict[str, Any], int]:
+    """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
+    replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back first
+    for every random node and copied buffer, then for what the schedule replays."""
 
     def solve(held_back: int) -> dict[str, Any]:
-        budget = max(target - held_back, 0)
-        o = options
-        return json.loads(_core.plan(graph_json, budget, o.solver, o.time_limit, o.mip_gap, o.slots))
+        o, room = options, max(target - held_back, 0)
+        return json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
 
-    # Plain PyTorch needs no RNG replays or buffer copies; otherwise room is held back for them:
-    # first for every random node and copied buffer, then for what the schedule replays.
-    copied = _buffers_to_copy(g)
     most = _reserve(g, None, copied)
     held_back = 0 if target >= plain_peak else most
     with stage(f"solve ({options.solver}, budget {target} bytes)"):
@@ -516,30 +544,7 @@ def _make_plan(base: JointGraph, outside: Outside, budget: int | float | None, o
                 tighter_reserve = _reserve(g, tighter, copied)
                 if tighter["predicted"]["peak_bytes"] + tighter_reserve <= target:
                     schedule, held_back = tighter, tighter_reserve
-    with stage("build"):
-        phases = build_phases(g, schedule, options.compile)
-    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
-
-
-def _saved_plan(base: JointGraph, saved: Saved, budget: int | float | None, options: _Options, path: Path) -> _Plan:
-    """The plan of a plan file, once its schedule replays on the graph within the budget."""
-    g = with_outside(base, saved.outside)
-    graph_json = g.to_json()
-    min_budget, plain_peak = _core.budget_range(graph_json)
-    target = _target(budget, min_budget, plain_peak)
-    schedule = saved.schedule
-    copied = _buffers_to_copy(g)
-    held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
-    try:
-        peak = json.loads(_core.simulate(graph_json, json.dumps(schedule)))["peak_bytes"]
-    except RematError as exc:
-        raise PlanFileError(f"the schedule in {path} does not replay on this graph ({exc}); delete it") from None
-    if peak + held_back > target:
-        raise PlanFileError(f"the schedule in {path} peaks at {peak + held_back} bytes, over {target}; delete it")
-    with stage("build"):
-        phases = build_phases(g, schedule, options.compile)
-    floor = min_budget + _reserve(g, None, copied)
-    return _Plan(g, graph_json, schedule, phases, target, plain_peak, floor, held_back, saved.outside, copied)
+    return schedule, held_back
 
 
 def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:
