@@ -11,6 +11,7 @@ import remat
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from models import mlp
 from test_loop import VOCAB, _gpt2, _step
 
 
@@ -28,6 +29,26 @@ def test_torch_compile_of_the_wrapper() -> None:
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
         for g, want in zip(grads, want_grads):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_compiles_after_a_step_that_measured_the_loss() -> None:
+    """The first step's measuring mode stays on the thread's mode stack until the wrapper's next
+    forward; meanwhile torch.compile compiles other code (it leaves frames uncompiled only while
+    the loss is measured)."""
+    model, x = mlp()
+    rm = remat.Remat(model, x, 0.8)
+    rm(x).pow(2).mean().backward()
+    assert torch._C._len_torch_dispatch_stack() == 1  # the closed window's mode
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(lambda t: (t * 2).sin(), backend=backend)(torch.randn(3))
+    assert len(graphs) == 1
+    rm(x).pow(2).mean().backward()  # the next forward takes the mode off the stack
+    assert torch._C._len_torch_dispatch_stack() == 0
 
 
 def _ddp_worker(rank: int, port: int, out: str) -> None:

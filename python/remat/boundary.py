@@ -261,6 +261,13 @@ class _NewStorages(TorchDispatchMode):
         self.peak = max(self.peak, self.bytes)
         return out
 
+    def ignore_compile_internals(self) -> bool:
+        """While measuring, torch.compile leaves the frames it meets uncompiled, so that their ops
+        run through this mode; once closed (the mode stays on the stack until the next forward
+        of its ``Remat``, the thread that closes it may be autograd's), Dynamo compiles as if it
+        were not there."""
+        return not self.active
+
 
 class Window:
     """Measures what the user's code allocates between remat's forward and backward phases: the
