@@ -29,8 +29,16 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=args.layers, n_embd=256, n_head=4, vocab_size=2048, n_positions=args.seq)
-    config.bos_token_id = config.eos_token_id = 0
+    config = GPT2Config(
+        n_layer=args.layers,
+        n_embd=256,
+        n_head=4,
+        vocab_size=2048,
+        n_positions=args.seq,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,  # training (checkpointing turns it off with a warning otherwise)
+    )
     base = GPT2LMHeadModel(config).to(args.device).train()
     ids = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
     sample = {"input_ids": ids, "labels": ids}

@@ -41,8 +41,8 @@ def _images(batch: int = 2, size: int = 32, channels: int = 3) -> torch.Tensor:
     return torch.randn(batch, channels, size, size)
 
 
-# transformers. Decoders get an attention mask and eager attention: with SDPA, or without a mask, their mask
-# code reads the mask's values in Python (see NOT_CAPTURABLE).
+# transformers. Most decoders get an attention mask and eager attention; gpt2_sdpa and bert_padded take the
+# paths where transformers' mask code reads tensor values in Python unless torch.compiler.is_compiling().
 
 
 def _padded(tokens: torch.Tensor) -> torch.Tensor:
@@ -443,9 +443,28 @@ def fusion() -> Case:
     return _classifier(Fusion(), sample, 4)
 
 
+def gpt2_sdpa() -> Case:
+    """GPT-2 LM as gpt2 but with the default SDPA attention and no attention mask (transformers' mask code
+    checks the position ids for packed sequences unless torch.compiler.is_compiling())."""
+    from transformers import GPT2LMHeadModel
+
+    tokens = torch.randint(VOCAB, (2, 32))
+    return _lm(GPT2LMHeadModel(_gpt2_config(use_cache=False)), tokens, tokens)
+
+
+def bert_padded() -> Case:
+    """BERT masked LM as bert with a padded attention mask (read in Python unless compiling)."""
+    from transformers import BertForMaskedLM
+
+    tokens = torch.randint(VOCAB, (2, 32))
+    return _lm(BertForMaskedLM(_bert_config()), {"input_ids": tokens, "attention_mask": _padded(tokens)}, tokens)
+
+
 ZOO: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
+    "gpt2_sdpa": gpt2_sdpa,
     "bert": bert,
+    "bert_padded": bert_padded,
     "t5": t5,
     "bart": bart,
     "llama": llama,
@@ -474,33 +493,9 @@ ZOO: dict[str, Callable[[], Case]] = {
 
 
 # Not capturable (each raises at ``remat.Remat(model, sample, None)``):
-#   gpt2_sdpa:   CaptureError: could not capture GPT2LMHeadModel as a joint forward+backward graph
-#                (DataDependentOutputException: aten._local_scalar_dense.default); ...
-#                transformers' find_packed_sequence_indices calls .all() on the position ids when there is no
-#                attention mask and no cache; with a mask, SDPA's _ignore_causal_mask_sdpa reads it instead. Its
-#                is_tracing() guard does not see AOTAutograd's tracing. (Llama and Whisper's decoder alike.)
-#   bert_padded: CaptureError: could not capture BertForMaskedLM as a joint forward+backward graph
-#                (DataDependentOutputException: aten._local_scalar_dense.default); ...
-#                _ignore_bidirectional_mask_sdpa calls padding_mask.all() (eager attention too).
 #   lstm:        CaptureError: the captured graph's node mkldnn_rnn_layer_backward (...) fails on real tensors
 #                (RuntimeError: Expected a proper Tensor but got None ... for argument #22 'workspace'); ...
 #                aten.mkldnn_rnn_layer's workspace is a size-0 tensor when traced and undefined when run.
-
-
-def gpt2_sdpa() -> Case:
-    """GPT-2 LM as gpt2 but with the default SDPA attention and no attention mask."""
-    from transformers import GPT2LMHeadModel
-
-    tokens = torch.randint(VOCAB, (2, 32))
-    return _lm(GPT2LMHeadModel(_gpt2_config(use_cache=False)), tokens, tokens)
-
-
-def bert_padded() -> Case:
-    """BERT masked LM as bert with a padded attention mask."""
-    from transformers import BertForMaskedLM
-
-    tokens = torch.randint(VOCAB, (2, 32))
-    return _lm(BertForMaskedLM(_bert_config()), {"input_ids": tokens, "attention_mask": _padded(tokens)}, tokens)
 
 
 def lstm() -> Case:
@@ -508,4 +503,4 @@ def lstm() -> Case:
     return _classifier(RNNClassifier(nn.LSTM), torch.randn(8, 12, 32), 8)
 
 
-NOT_CAPTURABLE: dict[str, Callable[[], Case]] = {"gpt2_sdpa": gpt2_sdpa, "bert_padded": bert_padded, "lstm": lstm}
+NOT_CAPTURABLE: dict[str, Callable[[], Case]] = {"lstm": lstm}

@@ -9,6 +9,7 @@ placeholders.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     flat = _Flat(model, in_spec, consts)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_compiling())
             joint = aot_export_joint_with_descriptors(stack, flat, tuple(tensors))
             gm = joint.graph_module
     except Exception as exc:  # torch raises many types; the user needs to know it was capture
@@ -116,6 +118,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
     return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts)
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true while the model is traced, as under torch.compile
+    and torch.export: models then take their traceable paths (transformers' masks skip their
+    data-dependent checks)."""
+    old, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, bindings: list[OutputBinding]) -> None:
