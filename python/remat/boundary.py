@@ -21,6 +21,7 @@ an estimate (:func:`estimated_outside`), every output is taken to get a gradient
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -297,6 +298,7 @@ class Window:
             self.start_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.tracker = _NewStorages()
+        _on_this_thread().append(self)
         above = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
         _push_mode(self.tracker)
         for mode in reversed(above):
@@ -325,6 +327,9 @@ class Window:
     def remove(self) -> None:
         """Takes the mode off this thread's stack (where it still is)."""
         tracker, self.tracker = self.tracker, None
+        windows = _on_this_thread()
+        if self in windows:
+            windows.remove(self)
         if tracker is None:
             return
         tracker.active = False
@@ -336,3 +341,22 @@ class Window:
             above.append(mode)
         for mode in reversed(above):
             _push_mode(mode)
+
+
+_THREAD = threading.local()
+
+
+def _on_this_thread() -> list[Window]:
+    """The windows opened on this thread whose modes may still be on its stack."""
+    if not hasattr(_THREAD, "windows"):
+        _THREAD.windows = []
+    return _THREAD.windows
+
+
+def remove_closed_windows() -> None:
+    """Takes the modes of this thread's closed windows off its stack: a window closes in its
+    step's backward and stays on the stack until a forward, and each mode on the stack runs on
+    every op."""
+    for window in list(_on_this_thread()):
+        if window.tracker is None or not window.tracker.active:
+            window.remove()

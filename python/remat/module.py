@@ -26,6 +26,7 @@ from .boundary import (
     estimated_outside,
     forward_outputs,
     output_bytes,
+    remove_closed_windows,
     tangent_or_zeros,
     with_outside,
 )
@@ -319,10 +320,12 @@ class _Measure:
         return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
 
     def settle(self) -> None:
-        """Before a forward: a window still there is removed (one still open measured nothing)."""
+        """Before a forward: a window still there is removed (one still open measured nothing), and
+        the closed windows of other wrappers on this thread."""
         if self.window is not None:
             self.window.remove()
             self.window = None
+        remove_closed_windows()
 
     def open(self, device: torch.device) -> Window | None:
         self.attempts += 1
