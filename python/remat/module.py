@@ -221,9 +221,10 @@ class Remat(nn.Module):
             planned = self._add_plan(key, args, kwargs)
         self._plans.move_to_end(key)
         self._current = planned
-        if not planned.measure.done and _under_dynamo():
+        compiled = _under_dynamo()
+        if not planned.measure.done and compiled:
             planned.measure.give_up()
-        planned.measure.settle()
+        planned.measure.settle(others=not compiled)
         if planned.measure.outside is not None:
             self._plan_for_measured(planned)
         return planned.plan.run(self.model, args, kwargs)
@@ -319,13 +320,15 @@ class _Measure:
     def wanted(self) -> bool:
         return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
 
-    def settle(self) -> None:
-        """Before a forward: a window still there is removed (one still open measured nothing), and
-        the closed windows of other wrappers on this thread."""
+    def settle(self, others: bool) -> None:
+        """Before a forward: a window still there is removed (one still open measured nothing),
+        and with ``others`` the closed windows of other wrappers on this thread (not from a
+        torch.compile'd frame, which restores the dispatch state it started with on return)."""
         if self.window is not None:
             self.window.remove()
             self.window = None
-        remove_closed_windows()
+        if others:
+            remove_closed_windows()
 
     def open(self, device: torch.device) -> Window | None:
         self.attempts += 1
