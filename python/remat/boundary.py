@@ -264,8 +264,8 @@ class _NewStorages(TorchDispatchMode):
 
     def ignore_compile_internals(self) -> bool:
         """While measuring, torch.compile leaves the frames it meets uncompiled, so that their ops
-        run through this mode; once closed (the mode stays on the stack until the next forward
-        of its ``Remat``, the thread that closes it may be autograd's), Dynamo compiles as if it
+        run through this mode; once closed (the mode stays on the stack until a wrapper's next
+        eager forward, the thread that closes it may be autograd's), Dynamo compiles as if it
         were not there."""
         return not self.active
 

@@ -510,7 +510,7 @@ def _make_plan(
     copied = _buffers_to_copy(g)
     most = _reserve(g, None, copied)
     if saved is None:
-        schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, options)
+        schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, most, options)
     else:
         schedule, path = saved
         held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
@@ -526,17 +526,16 @@ def _make_plan(
 
 
 def _solve(
-    g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], options: _Options
+    g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], most: int, options: _Options
 ) -> tuple[dict[str, Any], int]:
     """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
     replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back first
-    for every random node and copied buffer, then for what the schedule replays."""
+    for every random node and copied buffer (``most``), then for what the schedule replays."""
 
     def solve(held_back: int) -> dict[str, Any]:
         o, room = options, max(target - held_back, 0)
         return json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
 
-    most = _reserve(g, None, copied)
     held_back = 0 if target >= plain_peak else most
     with stage(f"solve ({options.solver}, budget {target} bytes)"):
         try:
