@@ -37,8 +37,8 @@ class Binding:
 class OutputBinding:
     """What an output of the joint graph is."""
 
-    kind: str  # "forward" (model output), "mutation" (new buffer value), "grad"
-    target: str | int | None  # output index, buffer name, or param name / input index of a grad
+    kind: str  # "forward" (model output), "mutation" (new value of a buffer or an input), "grad"
+    target: str | int | None  # output index, buffer name / input index, or param name / input index of a grad
     grad_of: str = ""  # for grads: "param" or "input"
 
 
@@ -211,10 +211,12 @@ def _output_binding(desc: Any) -> OutputBinding:
         return OutputBinding("forward", desc.idx)
     if kind == "InputMutationAOTOutput":
         inp = desc.mutated_input
+        if type(inp).__name__ == "PlainAOTInput":  # a buffer torch.compile passes as an input
+            return OutputBinding("mutation", inp.idx)
         if type(inp).__name__ != "BufferAOTInput":
             raise CaptureError(
                 f"the model mutates {inp!r} in place; only buffer updates are supported: "
-                "do not modify inputs or parameters inside forward"
+                "do not modify parameters inside forward"
             )
         return OutputBinding("mutation", _strip(inp.target))
     if kind == "GradAOTOutput":

@@ -22,15 +22,26 @@ class SolverError(RematError):
 class InfeasibleBudget(RematError):
     """The memory budget is below the smallest budget any schedule can keep."""
 
-    def __init__(self, budget: int, min_budget: int, loss_bytes: int | None = None) -> None:
+    def __init__(self, budget: int, min_budget: int, loss_bytes: int | None = None, graphs: int | None = None) -> None:
         self.budget = int(budget)
         self.min_budget = int(min_budget)
-        what = "model and sample" if loss_bytes is None else f"model, sample and loss ({loss_bytes} bytes, measured)"
-        super().__init__(
-            f"budget of {self.budget} bytes is infeasible: the smallest feasible budget for this "
-            f"{what} is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
-            f"pass budget >= {self.min_budget}"
-        )
+        if graphs is not None:
+            message = (
+                f"budget of {self.budget} bytes does not fit the {graphs} graphs of the compiled step, each at its "
+                f"smallest budget while the graphs before it hold their activations; {self.min_budget} bytes "
+                f"({self.min_budget / 2**20:.2f} MiB, the sum of their smallest budgets) fits them all: pass "
+                f"budget >= {self.min_budget}, or remove the graph breaks"
+            )
+        else:
+            what = "model and sample"
+            if loss_bytes is not None:
+                what = f"model, sample and loss ({loss_bytes} bytes, measured)"
+            message = (
+                f"budget of {self.budget} bytes is infeasible: the smallest feasible budget for this "
+                f"{what} is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
+                f"pass budget >= {self.min_budget}"
+            )
+        super().__init__(message)
 
 
 class CaptureError(RematError):

@@ -24,25 +24,42 @@ log = logging.getLogger("remat")
 
 
 class CompiledPhase:
-    """Called like an eager phase, with a list of inputs that it empties; compiled at the first call."""
+    """Called like an eager phase, with a list of inputs that it empties; compiled at the first
+    call, and again for each new set of inputs that are ``None`` (gradients of outputs that the
+    loss does not differentiate), which the compiled code does not take."""
 
     def __init__(self, gm: fx.GraphModule, backward: bool) -> None:
         self.gm = gm
         self.backward = backward
-        self._compiled: Any = None
+        self._compiled: dict[tuple[int, ...], Any] = {}
 
     def __call__(self, inputs: list) -> tuple:
-        if self._compiled is None:
+        present = tuple(i for i, x in enumerate(inputs) if x is not None)
+        compiled = self._compiled.get(present)
+        if compiled is None:
             t0 = time.perf_counter()
-            self._compiled = _compile(self.gm, inputs, self.backward)
-            self.gm = None
+            compiled = self._compiled[present] = _compile(self.gm, inputs, present, self.backward)
             phase = "backward" if self.backward else "forward"
             log.info("compiled the %s phase with Inductor in %.2f s", phase, time.perf_counter() - t0)
-        return self._compiled(inputs)
+        if len(present) < len(inputs):
+            tensors = [inputs[i] for i in present]
+            inputs.clear()
+            inputs = tensors
+        return compiled(inputs)
 
 
-def _compile(gm: fx.GraphModule, inputs: list, backward: bool):
+def _compile(gm: fx.GraphModule, inputs: list, present: tuple[int, ...], backward: bool):
+    """``gm`` compiled for the inputs at ``present`` (the others ``None``)."""
+    count = len(inputs)
+
+    def phase(*tensors):
+        full: list[Any] = [None] * count
+        for i, t in zip(present, tensors):
+            full[i] = t
+        return gm(*full)
+
     with torch.no_grad(), inductor_config.patch(reorder_for_peak_memory=False, fallback_random=True):
-        traced = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
+        trace = make_fx(phase, decomposition_table=select_decomp_table(), tracing_mode="fake")
+        traced = trace(*[inputs[i] for i in present])
         examples = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
         return compile_fx_inner(traced, examples, is_backward=backward)

@@ -65,6 +65,8 @@ class Remat(nn.Module):
         compile: run the planned forward and backward phases (recomputations included) through
             Inductor, each compiled at its first call (``remat.inductor``).
         max_plans: how many plans are kept (see below).
+        measure_loss: measure the loss on the first training step (below); ``False`` keeps room
+            for the estimated loss instead.
         plan_dir: a directory where each plan is saved (``remat.saved``), and found again by a
             later process with the same model, sample, budget, options and versions, which then
             skips profiling and solving.
@@ -80,7 +82,8 @@ class Remat(nn.Module):
     The budget covers the whole step, the user's loss included (``remat.boundary``): the first
     training step measures what the code between this module's forward and backward holds (the
     loss) and which outputs get no gradient; the next call plans again with both. Until then
-    the plan holds room for a loss of a few tensors of the outputs' size.
+    the plan holds room for a loss of a few tensors of the outputs' size. ``set_budget`` plans
+    again for another budget without profiling again.
 
     In eval mode or under ``torch.no_grad()`` the plain model runs.
     """
@@ -98,14 +101,14 @@ class Remat(nn.Module):
         compile: bool = False,
         max_plans: int = 8,
         plan_dir: str | os.PathLike | None = None,
+        measure_loss: bool = True,
     ) -> None:
         super().__init__()
         if solver not in SOLVERS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
-        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-            raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+        _check_budget(budget)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
         self.model = model
@@ -116,6 +119,7 @@ class Remat(nn.Module):
         self._options = _Options(solver, time_limit, mip_gap, slots, compile)
         self.max_plans = max_plans
         self.plan_dir = plan_dir
+        self.measure_loss = measure_loss
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._current: _Planned | None = None
         _check_device(model, *_as_call(sample))
@@ -146,17 +150,15 @@ class Remat(nn.Module):
         t0 = time.perf_counter()
         budget, options = self._budget_arg, self._options
         measure = _Measure()
+        measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
             base = captured(self.model, args, kwargs)
-            file = None
-            if self.plan_dir is not None:
-                solver = (options.solver, options.time_limit, options.mip_gap, options.slots)
-                fp = fingerprint(base, budget, solver)  # compiled or not, the same plan
-                file = _PlanFile(path_of(self.plan_dir, fp), fp)
+            file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
                 plan = _make_plan(base, saved.outside, budget, options, (saved.schedule, file.path))
-                measure.done = saved.measured
+                measure.done = measure.done or saved.measured
+                measure.measured = saved.measured
                 log.info("read the plan from %s", file.path)
             else:
                 # With a budget, measuring runs a first schedule planned from sizes and estimated times.
@@ -172,6 +174,27 @@ class Remat(nn.Module):
         self._current.save()
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
+
+    def _plan_file(self, base: JointGraph) -> _PlanFile | None:
+        if self.plan_dir is None:
+            return None
+        o = self._options
+        fp = fingerprint(base, self._budget_arg, (o.solver, o.time_limit, o.mip_gap, o.slots))  # compiled or not
+        return _PlanFile(path_of(self.plan_dir, fp), fp)
+
+    def set_budget(self, budget: int | float | None) -> None:
+        """Plans every kept plan again for ``budget`` (as in ``Remat(...)``), from its captured and
+        profiled graph and its measured loss; raises ``InfeasibleBudget`` and keeps the plans if
+        one does not fit."""
+        _check_budget(budget)
+        if self.solver == "none" or budget == self._budget_arg:
+            return
+        plans = {key: _plan_again(p, budget, self._options) for key, p in self._plans.items()}
+        self._budget_arg = budget
+        for key, plan in plans.items():
+            planned = self._plans[key]
+            plan.measure, planned.plan, planned.file = planned.measure, plan, self._plan_file(planned.base)
+            planned.save()
 
     @property
     def _plan(self) -> _Plan | None:
@@ -207,6 +230,18 @@ class Remat(nn.Module):
         return None if self._plan is None else self._plan.min_budget
 
     @property
+    def min_budget_without_loss(self) -> int | None:
+        """The smallest budget of a plan that keeps no room for the loss, where no output gets a
+        gradient or stays held (where the first plan falls back to when nothing else fits)."""
+        return None if self._current is None else _min_without_loss(self._current.base)
+
+    @property
+    def held_bytes(self) -> int | None:
+        """Predicted activation bytes the step holds between its forward and backward phases (the
+        outputs and what the backward reads)."""
+        return None if self._plan is None else self._plan.held_bytes()
+
+    @property
     def outside(self) -> Outside | None:
         """What the plan holds room for outside the graph: the loss, and outputs without gradient."""
         return None if self._plan is None else self._plan.outside
@@ -233,7 +268,7 @@ class Remat(nn.Module):
         """Plan again for what the first step measured outside the graph (once)."""
         measure = planned.measure
         measured, measure.outside = measure.outside, None
-        measure.done = True
+        measure.done = measure.measured = True
         current = planned.plan
         loss_over = measured.loss_bytes - current.outside.loss_bytes
         held_over = measured.held_bytes - current.outside.held_bytes
@@ -301,6 +336,7 @@ class _Measure:
 
     def __init__(self) -> None:
         self.done = False
+        self.measured = False  # the plan is for a measured loss
         self.attempts = 0
         self.window: Window | None = None  # open, or closed and not yet removed
         self.outside: Outside | None = None  # measured, not yet planned for
@@ -393,6 +429,11 @@ def _under_dynamo() -> bool:
     return False
 
 
+def _check_budget(budget: int | float | None) -> None:
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+
+
 def _as_call(sample: Any) -> tuple[tuple, dict]:
     if isinstance(sample, dict):
         return (), dict(sample)
@@ -444,6 +485,16 @@ class _Plan:
         """Bytes of the budget the plan leaves unused (the executor's reserve aside)."""
         return self.budget - self.reserve - self.schedule["predicted"]["peak_bytes"]
 
+    def held_bytes(self) -> int:
+        """Activation bytes alive between the phases: the outputs and what the backward reads."""
+        g = self.graph
+        roots = set()
+        for v in (*self.phases.forward_outputs, *self.phases.saved):
+            while g.values[v].alias_of is not None:
+                v = g.values[v].alias_of
+            roots.add(v)
+        return sum(g.values[v].bytes for v in roots if g.values[v].kind == "activation")
+
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         tensors, _, _ = flatten_inputs(args, kwargs)
         inputs = graph_inputs(self.graph, model, tensors)
@@ -477,6 +528,19 @@ def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Pl
             if not _fits(base, estimate, budget):
                 estimate = Outside(0, 0, no_grad, released)
     return _make_plan(base, estimate, budget, options)
+
+
+def _plan_again(planned: _Planned, budget: int | float | None, options: _Options) -> _Plan:
+    """``planned`` for another budget: for its measured loss, or as before a step measured it."""
+    if planned.measure.measured:
+        return _make_plan(planned.base, planned.plan.outside, budget, options)
+    return _first_plan(planned.base, budget, options)
+
+
+def _min_without_loss(base: JointGraph) -> int:
+    no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
+    g = with_outside(base, Outside(0, 0, no_grad, released))
+    return _core.budget_range(g.to_json())[0] + _reserve(g, None, _buffers_to_copy(g))
 
 
 def _fits(base: JointGraph, outside: Outside, budget: int | float) -> bool:
@@ -570,7 +634,9 @@ def _buffers_to_copy(g: JointGraph) -> set[int]:
     c = g.captured
     mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
     buffers = {
-        g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "buffer" and b.target in mutated
+        g.value_of[ph]
+        for ph, b in zip(c.placeholders, c.bindings)
+        if b.kind in ("buffer", "input") and b.target in mutated
     }
     read_otherwise = {v for n in g.nodes if not _updates_running_stats(n) for v in n.inputs}
     return buffers & read_otherwise
@@ -632,7 +698,9 @@ def _update_buffers(g, produced, backward_inputs, by_vid, copied: set[int]) -> N
     """Copy new buffer values in place, once per step; the backward phase keeps the old values
     of the buffers in ``copied``."""
     c = g.captured
-    name_to_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "buffer"}
+    # a buffer by name, an input (a buffer torch.compile passes) by index
+    bound = zip(c.placeholders, c.bindings)
+    name_to_vid = {b.target: g.value_of[ph] for ph, b in bound if b.kind in ("buffer", "input")}
     for out, b in zip(c.outputs, c.output_bindings):
         if b.kind != "mutation":
             continue
