@@ -1,6 +1,7 @@
 """Speed at a memory level: eager PyTorch, ``torch.utils.checkpoint`` on every layer, torch.compile's
 own budget (``torch._functorch.config.activation_memory_budget``) at several values, and remat
-eager and compiled (``compile=True``) at several budgets, measured side by side in one process.
+eager, compiled (``compile=True``) and as a torch.compile backend (``remat.backend``) at several
+budgets, measured side by side in one process.
 
 Each run's step time is the median of ``--steps`` steps, each run right after an eager step,
 and is given as a ratio to the median of those eager steps. The peak is one step's: peak RSS on
@@ -95,6 +96,10 @@ def main() -> None:
                 run(f"remat{' compiled' if compile else ''}, budget {budget}", rm)
             except remat.InfeasibleBudget as exc:  # the first step measured a loss that leaves no room
                 print(f"remat, budget {budget}: {exc}", flush=True)
+    for budget in args.remat:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=remat.backend(budget), dynamic=False)
+        run(f"torch.compile, backend=remat.backend({budget})", compiled)
 
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n{name}, {where}; peaks as a share of eager's {eager_peak / 2**20:.0f} MiB")

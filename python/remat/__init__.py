@@ -1,5 +1,6 @@
 """remat: optimal re-materialization (activation checkpointing) for PyTorch training."""
 
+from .backend import Backend, backend
 from .checkpointable import Checkpointable, Sequence
 from .errors import (
     CaptureError,
@@ -18,6 +19,7 @@ from .memory import StepMemory, cuda_peak, measure_step, rss_peak
 from .module import Remat
 
 __all__ = [
+    "Backend",
     "CaptureError",
     "Checkpointable",
     "DeviceMismatch",
@@ -33,6 +35,7 @@ __all__ = [
     "Sequence",
     "SolverError",
     "StepMemory",
+    "backend",
     "cuda_peak",
     "measure_step",
     "rss_peak",

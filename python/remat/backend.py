@@ -1,0 +1,152 @@
+"""``remat.backend``: a ``torch.compile`` backend whose graphs run remat's plans.
+
+Each graph Dynamo captures becomes a ``Remat`` of its ``GraphModule`` (parameters arrive as
+its inputs), planned at its first training call and run through Inductor. The loss outside the
+graphs cannot be measured from compiled frames: each plan keeps room for the estimated loss.
+
+With graph breaks a step runs several graphs, one after the other, and each holds its outputs
+and saved activations until its backward. A graph's share of a budget in bytes is the budget
+less what the graphs before it in the step hold (``Remat.held_bytes``), less the smallest
+budgets of the graphs after it in the last step, so that each of them still fits. The first step
+meets the graphs in order and knows none after the current one: a graph that finds less than
+its smallest budget runs at that budget, with a warning naming the bytes, and each graph plans
+again for its share on the next step. A fraction is of each graph's own plain peak.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .errors import CaptureError, InfeasibleBudget
+from .module import Remat
+
+
+def backend(
+    budget: int | float | None = None,
+    *,
+    solver: str = "rockmate",
+    time_limit: float = 30.0,
+    mip_gap: float = 0.01,
+    slots: int = 500,
+    compile: bool = True,
+    plan_dir: str | None = None,
+) -> Backend:
+    """A backend for ``torch.compile(model, backend=remat.backend(budget))``, with ``dynamic=False``.
+
+    ``budget``: bytes for the whole step (shared by the graphs of a step with graph breaks), or a
+    fraction in (0, 1] of each graph's plain activation peak. The other arguments are
+    ``Remat``'s; ``compile=False`` runs the plans eagerly.
+    """
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+    options = dict(solver=solver, time_limit=time_limit, mip_gap=mip_gap, slots=slots, compile=compile)
+    return Backend(budget, options, plan_dir)
+
+
+class Backend:
+    """The graphs of one compiled model and how the budget is shared among them."""
+
+    def __init__(self, budget: int | float | None, options: dict[str, Any], plan_dir: str | None) -> None:
+        self.budget = budget
+        self._options = options
+        self._plan_dir = plan_dir
+        self.graphs: list[Graph] = []  # in the order they were compiled
+        self._step: list[Graph] = []  # the graphs the current step has run, in order
+        self._last: list[Graph] | None = None  # those of the step before
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        symbolic = [type(x).__name__ for x in example_inputs if isinstance(x, (torch.SymInt, torch.SymFloat))]
+        if symbolic:
+            error = CaptureError(
+                f"remat plans for static shapes, and Dynamo passed symbolic sizes ({', '.join(symbolic)}): "
+                "use torch.compile(model, backend=remat.backend(...), dynamic=False), which compiles a graph "
+                "per input shape"
+            )
+
+            def refuse(*args: Any) -> Any:  # raised at the call: Dynamo wraps what a backend raises
+                raise error
+
+            return refuse
+        graph = Graph(self, gm)
+        self.graphs.append(graph)
+        return graph
+
+    def share(self, graph: Graph) -> int | float | None:
+        """The budget of ``graph`` for this step's call (see the module's docstring)."""
+        if graph in self._step:  # a new step
+            self._last, self._step = self._step, []
+        self._step.append(graph)
+        if not isinstance(self.budget, int):
+            return self.budget
+        before = sum(g.remat.held_bytes for g in self._step[:-1] if g.remat is not None)
+        last = self._last or []
+        after = last[last.index(graph) + 1 :] if graph in last else []
+        return max(self.budget - before - sum(g.smallest for g in after), 0)
+
+
+class Graph:
+    """One captured graph: plain without grad, otherwise run by a ``Remat`` planned for its share."""
+
+    def __init__(self, owner: Backend, gm: fx.GraphModule) -> None:
+        self.owner = owner
+        self.gm = gm
+        self.remat: Remat | None = None
+        self._asked: int | float | None = None  # the share last planned for
+
+    @property
+    def smallest(self) -> int:
+        """The smallest budget the graph can be planned at (no room for a loss), 0 before planning."""
+        return 0 if self.remat is None else self.remat.min_budget_without_loss
+
+    def __call__(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.gm(*args)
+        share = self.owner.share(self)
+        if self.remat is None:
+            self._plan(args, share)
+        elif share != self._asked:
+            self._replan(share)
+        return self.remat(*args)
+
+    def _plan(self, args: tuple, share: int | float | None) -> None:
+        o = self.owner
+        self._asked = share
+        try:
+            self.remat = Remat(self.gm, args, share, plan_dir=o._plan_dir, measure_loss=False, **o._options)
+        except InfeasibleBudget as exc:
+            if o._last is not None or not isinstance(share, int):
+                raise self._infeasible(exc) from None
+            self._warn(exc)
+            self.remat = Remat(self.gm, args, exc.min_budget, plan_dir=o._plan_dir, measure_loss=False, **o._options)
+
+    def _replan(self, share: int | float | None) -> None:
+        assert self.remat is not None
+        self._asked = share
+        try:
+            self.remat.set_budget(share)
+        except InfeasibleBudget as exc:
+            if self.owner._last is not None or not isinstance(share, int):
+                raise self._infeasible(exc) from None
+            self._warn(exc)
+            self.remat.set_budget(exc.min_budget)
+
+    def _warn(self, exc: InfeasibleBudget) -> None:
+        warnings.warn(
+            f"remat: graph {self.owner.graphs.index(self)} of the compiled model gets {exc.budget} bytes of the "
+            f"budget and needs {exc.min_budget}: this step may exceed the budget by up to "
+            f"{exc.min_budget - exc.budget} bytes; the graphs share it from the next step on",
+            stacklevel=4,
+        )
+
+    def _infeasible(self, exc: InfeasibleBudget) -> InfeasibleBudget:
+        """The budget is too small for the step's graphs together (a byte budget: a fraction of
+        each graph's own peak fits whenever each graph's does)."""
+        o = self.owner
+        if not isinstance(o.budget, int):
+            return exc
+        graphs = o._last or []
+        return InfeasibleBudget(o.budget, sum(g.smallest for g in graphs), graphs=len(graphs))
