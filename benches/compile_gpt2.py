@@ -99,7 +99,10 @@ def main() -> None:
     for budget in args.remat:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=remat.backend(budget), dynamic=False)
-        run(f"torch.compile, backend=remat.backend({budget})", compiled)
+        try:
+            run(f"torch.compile, backend=remat.backend({budget})", compiled)
+        except remat.InfeasibleBudget as exc:
+            print(f"remat.backend({budget}): {exc}", flush=True)
 
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n{name}, {where}; peaks as a share of eager's {eager_peak / 2**20:.0f} MiB")
@@ -124,6 +127,8 @@ def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
         n_embd=args.embd,
         n_head=max(1, args.embd // 64),
         vocab_size=args.vocab,
+        bos_token_id=0,
+        eos_token_id=0,
         resid_pdrop=args.dropout,
         embd_pdrop=args.dropout,
         attn_pdrop=args.dropout,
