@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from .errors import DeviceMismatch, NotSequential
-from .executor import save_rng_state
-from .memory import _Tracker
+from .executor import rng_state_bytes, save_rng_state
+from .memory import Allocations, peak
 
 
 @dataclass
@@ -118,14 +118,13 @@ def measure_chain(layers: list[tuple[str, nn.Module]], sample: torch.Tensor, rep
         for p, g in zip(params, grads):
             p.grad = g
     device = device_name(sample.device)
-    rng_bytes = save_rng_state(device).numel()
     chain = {
         "schema": "remat.chain",
         "version": 1,
         # sizes[0] counts only the input's gradient; the input is the caller's.
         "sizes": [sample.numel() * sample.element_size()] + [c.pop("output_bytes") for c in costs],
         "blocks": costs,
-        "extra_bytes": rng_bytes * sum(b.random for b in blocks),
+        "extra_bytes": rng_state_bytes(device, sum(b.random for b in blocks)),
     }
     return MeasuredChain(blocks, chain)
 
@@ -258,39 +257,33 @@ def _probe(name: str, layer: nn.Module, x: torch.Tensor) -> tuple[_Probe, torch.
 def _measure_block(block: Block, x: torch.Tensor, repeat: int) -> tuple[dict[str, Any], torch.Tensor]:
     """The block's costs in the chain format, and its output (the next block's input)."""
     params = [p for p in block.parameters() if p.requires_grad]
-    keep = [x, *params, *block.buffers, *[b for layer in block.layers for b in layer.buffers()]]
-    tracker = _Tracker({t.untyped_storage().data_ptr() for t in keep})
-    cuda = x.device.type == "cuda"
-    with tracker:
+    with Allocations() as record:
         # Without grad: the output and the temporaries.
-        start = _mark(tracker)
-        with torch.no_grad(), _CudaPeak(x.device) as fn_cuda:
+        with torch.no_grad(), Allocations.label("fn"):
             x_next = block(x)
-        out_bytes = _bytes(x_next)
-        fn_temp = max(_window_peak(tracker, start), fn_cuda.peak) - out_bytes
         # With grad: what autograd saves beyond the input and output.
         for p in params:
             p.grad = None
         x_in = x.detach().requires_grad_(x.is_floating_point())
-        start = _mark(tracker)
-        with torch.enable_grad(), _CudaPeak(x.device) as fe_cuda:
+        with torch.enable_grad(), Allocations.label("fe"):
             y = block(x_in)
-        kept = _live(tracker) - _base(tracker, start)
-        fe_temp = max(_window_peak(tracker, start), fe_cuda.peak) - kept
-        saved = kept - _bytes(y)
         # Backward: beyond what is alive before it and the input's gradient.
         box = [torch.ones_like(y)]
-        start = _mark(tracker)
-        with _CudaPeak(x.device) as b_cuda:
+        with Allocations.label("b"):
             backward_from(y, box)
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_ptrs = {g.untyped_storage().data_ptr() for g in grads}
-        skip = {serial for ptr, (serial, _, _) in tracker.live.items() if ptr in grad_ptrs}
+        out_bytes, y_bytes = _bytes(x_next), _bytes(y)
+        grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
         dx_bytes = _bytes(x_in.grad) if x_in.grad is not None else 0
-        # The allocator also sees the parameters' gradients, which are not activation memory.
-        b_cuda_peak = b_cuda.peak - sum(_bytes(g) for g in grads)
-        b_temp = max(_window_peak(tracker, start, skip), b_cuda_peak) - dx_bytes
-        del x_in, y, grads
+        del x_in, y
+    deltas = record.deltas
+    fn_temp = peak(deltas, set(), *record.span("fn")) - out_bytes
+    start, end = record.span("fe")
+    kept = sum(d for _, d in deltas[start:end])
+    fe_temp = peak(deltas, set(), start, end) - kept
+    saved = kept - y_bytes
+    grads = {serial for ptr, serial in record.live.items() if ptr in grad_ptrs}
+    b_temp = peak(deltas, grads, *record.span("b")) - dx_bytes
+    cuda = x.device.type == "cuda"
     fn_time = _best_time(lambda: block(x), repeat, cuda, grad=False)
     fe_time, b_time = _best_fe_b_times(block, x, params, repeat, cuda)
     for p in params:
@@ -344,58 +337,6 @@ class _SeedGrad(torch.autograd.Function):
 def _buffer_bytes(block: Block) -> int:
     """Copies of the updated buffers that a replay keeps to restore them."""
     return sum(_bytes(b) for b in block.buffers)
-
-
-# The tracker's events are (serial, +bytes | -bytes) and (0, 0) after each op; the live bytes at
-# an event are the sum of the deltas before it.
-
-
-def _mark(tracker: _Tracker) -> int:
-    tracker._sweep()
-    return len(tracker.events)
-
-
-def _base(tracker: _Tracker, start: int) -> int:
-    return sum(d for _, d in tracker.events[:start])
-
-
-def _live(tracker: _Tracker) -> int:
-    tracker._sweep()
-    return sum(d for _, d in tracker.events)
-
-
-def _window_peak(tracker: _Tracker, start: int, skip: set[int] | None = None) -> int:
-    """Peak of the bytes created since event ``start`` (what was alive before is the base)."""
-    tracker._sweep()
-    skip = skip or set()
-    base = sum(d for s, d in tracker.events[:start] if s not in skip)
-    live = peak = base
-    for serial, delta in tracker.events[start:]:
-        if serial not in skip:
-            live += delta
-        peak = max(peak, live)
-    return peak - base
-
-
-class _CudaPeak:
-    """The CUDA allocator's peak above its level at entry (0 off CUDA): it also sees the
-    temporaries inside ops, which the tracker does not."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device if device.type == "cuda" else None
-        self.peak = 0
-
-    def __enter__(self) -> _CudaPeak:
-        if self.device is not None:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start = torch.cuda.memory_allocated(self.device)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device is not None:
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, cuda: bool, grad: bool) -> float:

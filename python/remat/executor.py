@@ -27,10 +27,16 @@ _INPUT_KINDS = ("param", "buffer", "input")
 
 
 def save_rng_state(device: str) -> torch.Tensor:
-    """A copy of the generator state of ``device`` (counted as memory by allocation trackers)."""
+    """The generator state of ``device``, in a new tensor."""
     if device.startswith("cuda"):
-        return torch.cuda.get_rng_state(torch.device(device)).clone()
-    return torch.get_rng_state().clone()
+        return torch.cuda.get_rng_state(torch.device(device))
+    return torch.get_rng_state()
+
+
+def rng_state_bytes(device: str, saved: int) -> int:
+    """Bytes of ``saved`` generator states, and of the one :func:`run_with_rng_state` holds
+    while it replays."""
+    return save_rng_state(device).numel() * (saved + 1) if saved else 0
 
 
 def run_with_rng_state(state: torch.Tensor, device: str, op, *args, **kwargs):

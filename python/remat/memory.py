@@ -1,25 +1,23 @@
 """Measure the activation memory of a training step while it runs, on any device.
 
-Every ATen op the step runs (plain PyTorch's autograd included) is seen by a dispatch mode; each
-new storage an op creates is tracked by a weak reference to the storage itself, so it counts as
-live exactly until its memory is released, whoever holds it (Python, autograd, the executor).
-The peak is taken after each op's outputs exist. Storages that become parameter gradients are
-left out at the end, as are storages alive before the step. Temporaries inside one op are not
-seen (on CUDA, ``torch.cuda.max_memory_allocated`` sees them; see ``cuda_peak``).
+Every allocation and release the step makes through PyTorch's allocators is read from the
+profiler's memory events: the outputs of ops, the temporaries inside them (a CPU dropout's float
+mask, a kernel's scratch) and compiled code's own buffers, on whichever thread (autograd's
+included). Memory alive before the step is not counted; parameter gradients are left out at
+the end of the step where asked.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch._C._profiler import _EventType
+from torch.profiler import record_function
 
 from .errors import RematError
 
@@ -30,69 +28,96 @@ class StepMemory:
     peak_with_grads: int  # the same, parameter gradients included
 
 
-class _Tracker(TorchDispatchMode):
-    supports_higher_order_operators = True  # a compiled phase's RNG operators run through it too
+class Allocations:
+    """Every allocation and release of memory by PyTorch's allocators while entered, in order,
+    from the profiler's memory events: they see the buffers an op allocates inside it and the
+    buffers of compiled code, which a dispatch mode does not. Within, :meth:`label` marks a span
+    whose events :meth:`span` finds afterwards (on any thread: spans are told apart by time)."""
 
-    def __init__(self, preexisting: set[int]) -> None:
-        super().__init__()
-        self.preexisting = preexisting
-        self.live: dict[int, tuple[int, int, StorageWeakRef]] = {}  # data_ptr -> (serial, bytes, ref)
-        self.events: list[tuple[int, int]] = []  # (serial, +bytes | -bytes)
-        self.serial = 0
+    def __enter__(self) -> Allocations:
+        if profiler_running():
+            raise RematError(
+                "remat records allocations with torch.profiler, which is already running: measure "
+                "outside the torch.profiler.profile context"
+            )
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start and stop lines
+        self._profiler = torch.autograd.profiler.profile(profile_memory=True, use_kineto=True)
+        self._profiler.__enter__()
+        return self
 
-    def _sweep(self) -> None:
-        for ptr in [p for p, (_, _, ref) in self.live.items() if ref.expired()]:
-            serial, nbytes, _ = self.live.pop(ptr)
-            self.events.append((serial, -nbytes))
+    def __exit__(self, *exc: object) -> None:
+        self._profiler.__exit__(*exc)
+        spans: list[tuple[str, int, int]] = []
+        allocations: list[tuple[int, int, int]] = []  # (time, address, +bytes | -bytes)
+        stack = list(self._profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.tag == _EventType.Allocation:
+                fields = event.extra_fields
+                allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+            elif event.name.startswith(_LABEL):
+                spans.append((event.name[len(_LABEL) :], event.start_time_ns, event.end_time_ns))
+            stack.extend(event.children)
+        allocations.sort(key=lambda a: a[0])
+        times = [t for t, _, _ in allocations]
+        self.spans = {name: (bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in spans}
+        # (serial, +bytes | -bytes) per event: an allocation's serial is its index, a release takes
+        # the serial of the allocation it releases (0 bytes for memory allocated before: not counted)
+        self.deltas: list[tuple[int, int]] = []
+        self.live: dict[int, int] = {}  # address -> serial of the allocations still alive at the end
+        sizes: dict[int, int] = {}
+        for serial, (_, ptr, nbytes) in enumerate(allocations):
+            if nbytes > 0:
+                self.live[ptr], sizes[ptr] = serial, nbytes
+                self.deltas.append((serial, nbytes))
+            elif ptr in self.live:
+                self.deltas.append((self.live.pop(ptr), -sizes.pop(ptr)))
+            else:
+                self.deltas.append((serial, 0))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._sweep()
-        out = func(*args, **(kwargs or {}))
-        # a storage an op receives existed before it (a tensor the step did not make, viewed)
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and not is_fake(t)
-        }
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or is_fake(t):  # capture's fake tensors hold no memory
-                continue
-            storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or ptr in self.preexisting or ptr in self.live or ptr in inputs:
-                continue
-            self.serial += 1
-            self.live[ptr] = (self.serial, nbytes, StorageWeakRef(storage))
-            self.events.append((self.serial, nbytes))
-        self.events.append((0, 0))  # a point where the peak is read
-        return out
+    @staticmethod
+    def label(name: str) -> record_function:
+        """A span of the recording named ``name``."""
+        return record_function(_LABEL + name)
+
+    def span(self, name: str) -> tuple[int, int]:
+        """The events of the span ``name``: ``deltas[start:end]`` (empty if it did not run)."""
+        return self.spans.get(name, (0, 0))
+
+
+_LABEL = "remat:"
+
+
+def profiler_running() -> bool:
+    """Whether a ``torch.profiler`` session is recording (one at a time may)."""
+    return torch._C._autograd._profiler_enabled()
 
 
 def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemory:
-    """Run ``step()`` (forward and backward) and measure its activation memory.
+    """Run ``step()`` (forward and backward) and measure its activation memory: every allocation
+    the step makes, the temporaries inside ops and compiled code's buffers included.
 
     ``keep``: tensors alive before the step (parameters, buffers, inputs, optimizer state); their
-    storages are not counted. Parameters' ``.grad`` after the step are what counts as gradients.
+    memory is not counted. Parameters' ``.grad`` after the step are what counts as gradients.
     """
-    preexisting = {t.untyped_storage().data_ptr() for t in keep}
     params = [t for t in keep if isinstance(t, torch.nn.Parameter)]
-    preexisting |= {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
-    tracker = _Tracker(preexisting)
-    with tracker:
+    with Allocations() as record:
         step()
-    tracker._sweep()
     grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
-    grad_serials = {serial for ptr, (serial, _, _) in tracker.live.items() if ptr in grad_ptrs}
-    return StepMemory(_peak(tracker.events, grad_serials), _peak(tracker.events, set()))
+    grads = {serial for ptr, serial in record.live.items() if ptr in grad_ptrs}
+    return StepMemory(peak(record.deltas, grads), peak(record.deltas, set()))
 
 
-def _peak(events: list[tuple[int, int]], skip: set[int]) -> int:
-    live = peak = 0
-    for serial, delta in events:
+def peak(deltas: list[tuple[int, int]], skip: set[int], start: int = 0, end: int | None = None) -> int:
+    """The highest live bytes over ``deltas[start:end]``, above the live bytes at ``start``; the
+    allocations of serials in ``skip`` (and their releases) are left out."""
+    base = sum(d for s, d in deltas[:start] if s not in skip)
+    live = high = base
+    for serial, delta in deltas[start:end]:
         if serial not in skip:
             live += delta
-        peak = max(peak, live)
-    return peak
+        high = max(high, live)
+    return high - base
 
 
 def cuda_peak(step: Callable[[], None]) -> int:

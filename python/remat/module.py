@@ -32,7 +32,7 @@ from .boundary import (
 )
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileError, RematError
-from .executor import Phases, build_phases, device_of, save_rng_state
+from .executor import Phases, build_phases, device_of, rng_state_bytes
 from .graph import JointGraph
 from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
@@ -618,12 +618,12 @@ def _solve(
 
 def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:
     """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
-    ``schedule`` runs more than once (of every random node without a schedule), and the pre-step
-    copies of the buffers in ``copied``."""
+    ``schedule`` runs more than once (of every random node without a schedule) and the state a
+    replay holds meanwhile, and the pre-step copies of the buffers in ``copied``."""
     ops = [op for phase in ("forward", "backward") for op in (schedule or {}).get(phase, [])]
     runs = collections.Counter(op["node"] for op in ops if op["op"] == "compute")
     replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
-    rng = sum(save_rng_state(device_of(n)).numel() for n in replayed)
+    rng = rng_state_bytes(device_of(replayed[0]), len(replayed)) if replayed else 0
     return rng + sum(g.values[v].bytes for v in copied)
 
 

@@ -6,13 +6,16 @@ anything runs. :func:`profile` then runs the graph on real tensors, in plain ord
 schedule, so that profiling holds no more than the schedule does.
 
 On CUDA: CUDA events (median of several runs) and the allocator's peak for temporaries. On CPU:
-``time.perf_counter`` (median) and no temporaries. A value whose storage is already held by a
-live value is an alias of it and costs nothing.
+``time.perf_counter`` (median), and temporaries from a second run whose allocations the
+profiler records (``memory.Allocations``), as CPU kernels allocate scratch that no tensor
+shows (dropout's float mask is as large as its input). A value whose storage is already held
+by a live value is an alias of it and costs nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import statistics
 import time
 from typing import Any
@@ -23,6 +26,9 @@ from .capture import ACCUMULATES
 from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
+from .memory import Allocations, peak, profiler_running
+
+log = logging.getLogger("remat")
 
 # Guessed speeds of the estimate: bytes moved and multiply-adds per second (only the ratio between
 # ops matters: the estimate orders ops for a first schedule that profiling runs).
@@ -91,15 +97,23 @@ def profile(
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
     devices = {t.device for t in inputs.values() if t is not None and t.device.type == "cuda"}
     with torch.random.fork_rng(devices=list(devices)), torch.no_grad():
-        run = _Run(g, relayout, repeats)
-        for vid, t in inputs.items():
-            run.hold(vid, t, count=False)
-        run.ops(forward)
-        for vid in [v for v, kind in g.outputs if kind == "buffer"]:  # the executor copied them
-            run.drop(vid)
-        for vid, t in tangents.items():
-            run.hold(vid, t, count=False)
-        run.ops(backward)
+        _Run(g, relayout, repeats).all(inputs, tangents, forward, backward)
+        if not devices and profiler_running():
+            log.warning(
+                "torch.profiler is running: remat does not measure the scratch memory inside CPU ops "
+                "(planning records it with the profiler), so the plan may exceed its budget by an op's scratch"
+            )
+        elif not devices:
+            with Allocations() as record:
+                run = _Run(g, relayout, repeats, record=True)
+                run.all(inputs, tangents, forward, backward)
+            temps: dict[int, int] = {}
+            for label, node_id in enumerate(run.labels):  # a node recomputed runs more than once
+                start, end = record.span(str(label))
+                new = sum(d for _, d in record.deltas[start:end])
+                temps[node_id] = max(temps.get(node_id, 0), peak(record.deltas, set(), start, end) - new)
+            for node_id, temp in temps.items():
+                g.nodes[node_id].temp_bytes += temp
 
 
 def _ops(g: JointGraph, schedule: dict[str, Any] | None) -> tuple[list[dict], list[dict]]:
@@ -120,8 +134,12 @@ def _ops(g: JointGraph, schedule: dict[str, Any] | None) -> tuple[list[dict], li
 class _Run:
     """The tensors alive while profiling, and who owns each storage."""
 
-    def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int) -> None:
+    def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int, record: bool = False) -> None:
         self.g, self.relayout, self.repeats = g, relayout, repeats
+        # with ``record``, each op runs once in a span of the recording labeled by its index in
+        # ``labels`` (the node ids in run order), and nothing else is measured
+        self.record = record
+        self.labels: list[int] = []
         self.env: dict[int, torch.Tensor | None] = {}
         self.owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
         self.holders: collections.Counter[int] = collections.Counter()  # data_ptr -> live values on it
@@ -129,6 +147,17 @@ class _Run:
         # gradients no node reads: they would be the parameters' .grad, which planning need not hold
         read = {v for n in g.nodes for v in n.inputs}
         self.unread_grads = {v for v, kind in g.outputs if kind == "grad" and v not in read}
+
+    def all(self, inputs: dict, tangents: dict, forward: list[dict], backward: list[dict]) -> None:
+        """Run the forward ops on ``inputs``, then the backward ops with ``tangents``."""
+        for vid, t in inputs.items():
+            self.hold(vid, t, count=False)
+        self.ops(forward)
+        for vid in [v for v, kind in self.g.outputs if kind == "buffer"]:  # the executor copied them
+            self.drop(vid)
+        for vid, t in tangents.items():
+            self.hold(vid, t, count=False)
+        self.ops(backward)
 
     def hold(self, vid: int, t: torch.Tensor | None, count: bool) -> int:
         self.env[vid] = t
@@ -159,13 +188,18 @@ class _Run:
         g, env = self.g, self.env
         args, kwargs = torch.fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
         fn = node.fx_node.target
-        first = node.id not in self.timed
+        first = node.id not in self.timed and not self.record
         cuda = first and _on_cuda(node, env)
         before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            result = fn(*args, **kwargs)
+            if self.record:
+                with Allocations.label(str(len(self.labels))):
+                    result = fn(*args, **kwargs)
+                self.labels.append(node.id)
+            else:
+                result = fn(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # an op whose traced and real behaviour differ
@@ -174,7 +208,7 @@ class _Run:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); remat cannot run this "
                 "model's graph: wrap the modules around that op with torch.utils.checkpoint instead"
             ) from exc
-        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        high = torch.cuda.max_memory_allocated() if cuda else 0
         new_bytes = 0
         for vid in node.outputs:
             if vid in env:  # an output a schedule left alive is made again: the new one counts
@@ -184,7 +218,7 @@ class _Run:
             return
         self.timed.add(node.id)
         if cuda:
-            node.temp_bytes = max(0, peak - before - new_bytes)
+            node.temp_bytes = max(0, high - before - new_bytes)
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
             param = self.relayout.get(vid)
             if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):

@@ -1,0 +1,66 @@
+"""Memory inside ops: CPU kernels allocate scratch that no tensor shows (dropout's float mask is
+as large as its input). ``remat.measure_step`` sees it, profiling measures it per op, and the
+plan counts it, so the measured step keeps the budget."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import remat
+import torch
+from torch import nn
+
+MIB = 2**20
+
+
+def test_measure_step_sees_the_scratch_inside_a_cpu_dropout() -> None:
+    x = torch.randn(256, 1024, requires_grad=True)  # 1 MiB
+
+    def step() -> None:
+        out, _ = torch.ops.aten.native_dropout(x, 0.5, True)
+        out.sum().backward()
+
+    measured = remat.measure_step(step, [x]).peak_bytes
+    # the output (1 MiB), its bool mask (0.25 MiB) and the float mask made inside the op (1 MiB)
+    assert measured >= 2.25 * MIB, measured
+
+
+class _Dropouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Dropout(0.1), nn.Tanh()) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> None:
+    torch.manual_seed(0)
+    model, x = _Dropouts().train(), torch.randn(512, 512)
+    keep = [*model.parameters(), x]
+    plain = remat.measure_step(lambda: model(x).pow(2).mean().backward(), keep).peak_bytes
+    model.zero_grad(set_to_none=True)
+    rm = remat.Remat(model, x, 0.6, time_limit=5)  # one block: the whole graph's ILP
+    dropouts = [n for n in rm.graph["nodes"] if "native_dropout.default" in n["target"]]
+    assert dropouts and all(n["temp_bytes"] >= 512 * 512 * 4 for n in dropouts), dropouts
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        rm(x).pow(2).mean().backward()
+
+    step()
+    step()  # planned for the measured loss
+    measured = remat.measure_step(step, keep).peak_bytes
+    assert measured <= rm.budget, (measured, rm.budget, plain)
+    assert measured < 0.7 * plain, (measured, plain)
+
+
+def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(caplog: pytest.LogCaptureFixture) -> None:
+    model, x = _Dropouts().train(), torch.randn(64, 512)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with caplog.at_level(logging.WARNING, logger="remat"):
+            remat.Remat(model, x, 0.6, time_limit=5)
+        with pytest.raises(remat.RematError, match="outside the torch.profiler.profile"):
+            remat.measure_step(lambda: model(x).sum().backward(), list(model.parameters()))
+    assert "torch.profiler is running" in caplog.text
