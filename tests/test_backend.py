@@ -66,11 +66,11 @@ def _compare(model: nn.Module, compiled, x: torch.Tensor, steps: int = 2) -> Non
 
 def test_backend_through_inductor_gives_eager_gradients_and_buffer_updates():
     """A CNN with batch norms (running statistics are graph inputs the graph updates) through
-    Inductor, at half its plain peak."""
+    Inductor, at 80% of its plain peak (convolutions' scratch puts its smallest budget at 68%)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = cnn()
-    backend = remat.backend(0.5)
+    backend = remat.backend(0.8)
     _compare(model, torch.compile(model, backend=backend, dynamic=False), x)
     (graph,) = backend.graphs
     assert graph.remat.budget < graph.remat.plain_peak

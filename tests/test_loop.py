@@ -125,13 +125,13 @@ def test_new_shapes_get_their_own_plans(caplog: pytest.LogCaptureFixture) -> Non
 
 def test_a_fraction_is_of_each_shapes_plain_peak() -> None:
     model = _gpt2()
-    rm = remat.Remat(model, _tokens(4), 0.5)
+    rm = remat.Remat(model, _tokens(4), 0.75)
     budgets = {}
     for batch in (4, 2):
         _step(model, rm, _tokens(batch))
         budgets[batch] = (rm.budget, rm.plain_peak)
     for budget, plain_peak in budgets.values():
-        assert budget == int(0.5 * plain_peak)
+        assert budget == int(0.75 * plain_peak)
     assert budgets[2][1] < budgets[4][1]
 
 

@@ -64,6 +64,7 @@ class Allocations:
         # (serial, +bytes | -bytes) per event: an allocation's serial is its index, a release takes
         # the serial of the allocation it releases (0 bytes for memory allocated before: not counted)
         self.deltas: list[tuple[int, int]] = []
+        self.addresses = [ptr for _, ptr, _ in allocations]
         self.live: dict[int, int] = {}  # address -> serial of the allocations still alive at the end
         sizes: dict[int, int] = {}
         for serial, (_, ptr, nbytes) in enumerate(allocations):

@@ -162,7 +162,7 @@ class Remat(nn.Module):
                 log.info("read the plan from %s", file.path)
             else:
                 # With a budget, measuring runs a first schedule planned from sizes and estimated times.
-                first = None if budget is None else lambda g: _first_plan(g, budget, options)
+                first = None if budget is None else lambda g: _profiling_plan(g, budget, options)
                 profiled(base, self.model, args, kwargs, first)
                 if budget is None:
                     measure.done = True
@@ -528,6 +528,16 @@ def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Pl
             if not _fits(base, estimate, budget):
                 estimate = Outside(0, 0, no_grad, released)
     return _make_plan(base, estimate, budget, options)
+
+
+def _profiling_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
+    """The schedule profiling runs: the first plan from sizes and estimated times, or where those
+    find ``budget`` infeasible, the smallest such plan (the ops' measured temporaries decide the
+    smallest feasible budget, which the error of the plan after profiling names)."""
+    try:
+        return _first_plan(base, budget, options)
+    except InfeasibleBudget as exc:
+        return _first_plan(base, exc.min_budget, options)
 
 
 def _plan_again(planned: _Planned, budget: int | float | None, options: _Options) -> _Plan:

@@ -108,10 +108,14 @@ def profile(
                 run = _Run(g, relayout, repeats, record=True)
                 run.all(inputs, tangents, forward, backward)
             temps: dict[int, int] = {}
-            for label, node_id in enumerate(run.labels):  # a node recomputed runs more than once
+            for label, (node_id, grads) in enumerate(run.labels):  # a node recomputed runs more than once
                 start, end = record.span(str(label))
-                new = sum(d for _, d in record.deltas[start:end])
-                temps[node_id] = max(temps.get(node_id, 0), peak(record.deltas, set(), start, end) - new)
+                # a gradient output becomes a parameter's .grad, which the plan does not count
+                made = {record.addresses[i]: i for i in range(start, end) if record.deltas[i][1] > 0}
+                skip = {made[ptr] for ptr in grads if ptr in made}
+                new = sum(d for s, d in record.deltas[start:end] if s not in skip)
+                temp = peak(record.deltas, skip, start, end) - new
+                temps[node_id] = max(temps.get(node_id, 0), temp)
             for node_id, temp in temps.items():
                 g.nodes[node_id].temp_bytes += temp
 
@@ -137,9 +141,11 @@ class _Run:
     def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int, record: bool = False) -> None:
         self.g, self.relayout, self.repeats = g, relayout, repeats
         # with ``record``, each op runs once in a span of the recording labeled by its index in
-        # ``labels`` (the node ids in run order), and nothing else is measured
+        # ``labels`` (the node id and the addresses of its gradient outputs), and nothing else is
+        # measured
         self.record = record
-        self.labels: list[int] = []
+        self.labels: list[tuple[int, set[int]]] = []
+        self.grads = {v for v, kind in g.outputs if kind == "grad"}
         self.env: dict[int, torch.Tensor | None] = {}
         self.owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
         self.holders: collections.Counter[int] = collections.Counter()  # data_ptr -> live values on it
@@ -197,7 +203,9 @@ class _Run:
             if self.record:
                 with Allocations.label(str(len(self.labels))):
                     result = fn(*args, **kwargs)
-                self.labels.append(node.id)
+                grads = self.grads.intersection(node.outputs)
+                ptrs = {_element(result, g.values[v].index).untyped_storage().data_ptr() for v in grads}
+                self.labels.append((node.id, ptrs))
             else:
                 result = fn(*args, **kwargs)
         except torch.OutOfMemoryError:
@@ -213,7 +221,8 @@ class _Run:
         for vid in node.outputs:
             if vid in env:  # an output a schedule left alive is made again: the new one counts
                 self.drop(vid)
-            new_bytes += self.hold(vid, _element(result, g.values[vid].index), count=True)
+            new = self.hold(vid, _element(result, g.values[vid].index), count=True)
+            new_bytes += 0 if vid in self.grads else new  # a parameter's .grad is not counted
         if not first:
             return
         self.timed.add(node.id)
