@@ -90,12 +90,13 @@ def main() -> None:
             run(f"torch.compile, budget {budget}", compiled)
     for compile in (False, True):
         for budget in args.remat:
+            label = f"remat{' compiled' if compile else ''}, budget {budget}"
             try:
                 with autocast:
                     rm = remat.Remat(model, sample, budget, compile=compile)
-                run(f"remat{' compiled' if compile else ''}, budget {budget}", rm)
+                run(label, rm)
             except remat.InfeasibleBudget as exc:  # the first step measured a loss that leaves no room
-                print(f"remat, budget {budget}: {exc}", flush=True)
+                print(f"{label}: {exc}", flush=True)
     for budget in args.remat:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=remat.backend(budget), dynamic=False)
