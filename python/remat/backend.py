@@ -16,13 +16,14 @@ again for its share on the next step. A fraction is of each graph's own plain pe
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .errors import CaptureError, InfeasibleBudget
-from .module import Remat
+from .module import Remat, check_budget
 
 
 def backend(
@@ -41,8 +42,7 @@ def backend(
     fraction in (0, 1] of each graph's plain activation peak. The other arguments are
     ``Remat``'s; ``compile=False`` runs the plans eagerly.
     """
-    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+    check_budget(budget)
     options = dict(solver=solver, time_limit=time_limit, mip_gap=mip_gap, slots=slots, compile=compile)
     return Backend(budget, options, plan_dir)
 
@@ -114,25 +114,27 @@ class Graph:
 
     def _plan(self, args: tuple, share: int | float | None) -> None:
         o = self.owner
-        self._asked = share
-        try:
-            self.remat = Remat(self.gm, args, share, plan_dir=o._plan_dir, measure_loss=False, **o._options)
-        except InfeasibleBudget as exc:
-            if o._last is not None or not isinstance(share, int):
-                raise self._infeasible(exc) from None
-            self._warn(exc)
-            self.remat = Remat(self.gm, args, exc.min_budget, plan_dir=o._plan_dir, measure_loss=False, **o._options)
+
+        def plan(budget: int | float | None) -> None:
+            self.remat = Remat(self.gm, args, budget, plan_dir=o._plan_dir, measure_loss=False, **o._options)
+
+        self._fit(share, plan)
 
     def _replan(self, share: int | float | None) -> None:
         assert self.remat is not None
+        self._fit(share, self.remat.set_budget)
+
+    def _fit(self, share: int | float | None, plan: Callable[[int | float | None], None]) -> None:
+        """``plan(share)``; on the first step, where a byte share is too small, ``plan`` at the
+        smallest budget with a warning (later steps know every graph's needs: they raise)."""
         self._asked = share
         try:
-            self.remat.set_budget(share)
+            plan(share)
         except InfeasibleBudget as exc:
             if self.owner._last is not None or not isinstance(share, int):
                 raise self._infeasible(exc) from None
             self._warn(exc)
-            self.remat.set_budget(exc.min_budget)
+            plan(exc.min_budget)
 
     def _warn(self, exc: InfeasibleBudget) -> None:
         warnings.warn(

@@ -108,7 +108,7 @@ class Remat(nn.Module):
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
-        _check_budget(budget)
+        check_budget(budget)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
         self.model = model
@@ -186,7 +186,7 @@ class Remat(nn.Module):
         """Plans every kept plan again for ``budget`` (as in ``Remat(...)``), from its captured and
         profiled graph and its measured loss; raises ``InfeasibleBudget`` and keeps the plans if
         one does not fit."""
-        _check_budget(budget)
+        check_budget(budget)
         if self.solver == "none" or budget == self._budget_arg:
             return
         plans = {key: _plan_again(p, budget, self._options) for key, p in self._plans.items()}
@@ -429,7 +429,8 @@ def _under_dynamo() -> bool:
     return False
 
 
-def _check_budget(budget: int | float | None) -> None:
+def check_budget(budget: int | float | None) -> None:
+    """Raise ``ValueError`` for a fraction outside (0, 1]."""
     if isinstance(budget, float) and not 0.0 < budget <= 1.0:
         raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
 

@@ -152,7 +152,7 @@ class _Run:
         self.timed: set[int] = set()
         # gradients no node reads: they would be the parameters' .grad, which planning need not hold
         read = {v for n in g.nodes for v in n.inputs}
-        self.unread_grads = {v for v, kind in g.outputs if kind == "grad" and v not in read}
+        self.unread_grads = self.grads - read
 
     def all(self, inputs: dict, tangents: dict, forward: list[dict], backward: list[dict]) -> None:
         """Run the forward ops on ``inputs``, then the backward ops with ``tangents``."""
