@@ -142,6 +142,46 @@ def test_measured_peaks_fall_with_the_budget_over_a_grid(compile: bool) -> None:
         assert lower[2] <= higher[2], f"a lower budget measured a higher peak: {rows}"
     over = [row for row in rows if row[2] > row[0]]
     if compile and over:
-        # Inductor's generated code holds more than the planned order at some budgets (docs/decisions.md)
-        pytest.xfail(f"the compiled step measures over its budget where Inductor holds more than the plan: {over}")
+        # the compiled phases' measurement before a step does not catch every case (docs/decisions.md)
+        pytest.xfail(f"the compiled step measures over its budget where Inductor holds more than measured: {over}")
     assert not over, rows
+
+
+def _mlp() -> torch.nn.Module:
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(256, 1))
+
+
+def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monkeypatch):
+    """Where Inductor's code measures over the budget, the solver is asked for less by as much,
+    and the plan kept is one whose measured and predicted peaks keep the budget."""
+    measured = remat.module.measured_peak
+    overshoots = [2**18]
+    asked = []
+
+    def measured_over_once(g, schedule, phases, inputs, no_grad):
+        asked.append(schedule["solver"]["budget"])
+        return measured(g, schedule, phases, inputs, no_grad) + (overshoots.pop() if overshoots else 0)
+
+    monkeypatch.setattr(remat.module, "measured_peak", measured_over_once)
+    torch.manual_seed(0)
+    x = torch.randn(512, 256)
+    rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
+    assert len(asked) == 2 and asked[1] < asked[0], asked
+    assert rm._plan.peak <= rm.budget
+    assert rm.schedule["predicted"]["peak_bytes"] + rm.reserve <= rm.budget
+    assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+
+
+def test_a_compiled_plan_runs_eagerly_where_every_compiled_plan_measures_over(monkeypatch):
+    monkeypatch.setattr(remat.module, "measured_peak", lambda *args: 2**40)
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(512, 256)
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    with pytest.warns(UserWarning, match="this plan runs eagerly"):
+        rm = remat.Remat(model, x, 0.6, compile=True, measure_loss=False)
+    assert not isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+    rm(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_close_grads(_grads(model), _grads(reference))

@@ -15,7 +15,8 @@ def plan(
 
 def simulate(graph_json: str, schedule_json: str) -> str:
     """Replay a schedule; JSON report with peak_bytes, forward_peak_bytes, backward_peak_bytes,
-    time and recomputed_time. Raises remat.ScheduleError if the schedule is invalid."""
+    forward_end_bytes, backward_start_bytes, time and recomputed_time.
+    Raises remat.ScheduleError if the schedule is invalid."""
 
 def budget_range(graph_json: str) -> tuple[int, int]:
     """(smallest feasible budget, plain PyTorch's peak) in bytes."""

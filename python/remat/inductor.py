@@ -34,6 +34,16 @@ class CompiledPhase:
         self._compiled: dict[tuple[int, ...], Any] = {}
 
     def __call__(self, inputs: list) -> tuple:
+        present, compiled = self.compile_for(inputs)
+        if len(present) < len(inputs):
+            tensors = [inputs[i] for i in present]
+            inputs.clear()
+            inputs = tensors
+        return compiled(inputs)
+
+    def compile_for(self, inputs: list) -> tuple[tuple[int, ...], Any]:
+        """The positions of the inputs that are not ``None``, and the code compiled for them
+        (compiled now if this is their first call)."""
         present = tuple(i for i, x in enumerate(inputs) if x is not None)
         compiled = self._compiled.get(present)
         if compiled is None:
@@ -41,11 +51,7 @@ class CompiledPhase:
             compiled = self._compiled[present] = _compile(self.gm, inputs, present, self.backward)
             phase = "backward" if self.backward else "forward"
             log.info("compiled the %s phase with Inductor in %.2f s", phase, time.perf_counter() - t0)
-        if len(present) < len(inputs):
-            tensors = [inputs[i] for i in present]
-            inputs.clear()
-            inputs = tensors
-        return compiled(inputs)
+        return present, compiled
 
 
 def _compile(gm: fx.GraphModule, inputs: list, present: tuple[int, ...], backward: bool):

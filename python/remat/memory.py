@@ -32,7 +32,14 @@ class Allocations:
     """Every allocation and release of memory by PyTorch's allocators while entered, in order,
     from the profiler's memory events: they see the buffers an op allocates inside it and the
     buffers of compiled code, which a dispatch mode does not. Within, :meth:`label` marks a span
-    whose events :meth:`span` finds afterwards (on any thread: spans are told apart by time)."""
+    whose events :meth:`span` finds afterwards (on any thread: spans are told apart by time).
+
+    ``prior``: releases of memory allocated before count (as negative deltas), for a peak above
+    what is alive at the start; by default they count 0, for a peak of what the code allocates.
+    """
+
+    def __init__(self, prior: bool = False) -> None:
+        self.prior = prior
 
     def __enter__(self) -> Allocations:
         if profiler_running():
@@ -62,7 +69,7 @@ class Allocations:
         times = [t for t, _, _ in allocations]
         self.spans = {name: (bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in spans}
         # (serial, +bytes | -bytes) per event: an allocation's serial is its index, a release takes
-        # the serial of the allocation it releases (0 bytes for memory allocated before: not counted)
+        # the serial of the allocation it releases (memory allocated before: its size with ``prior``, else 0)
         self.deltas: list[tuple[int, int]] = []
         self.addresses = [ptr for _, ptr, _ in allocations]
         self.live: dict[int, int] = {}  # address -> serial of the allocations still alive at the end
@@ -74,7 +81,7 @@ class Allocations:
             elif ptr in self.live:
                 self.deltas.append((self.live.pop(ptr), -sizes.pop(ptr)))
             else:
-                self.deltas.append((serial, 0))
+                self.deltas.append((serial, nbytes if self.prior else 0))
 
     @staticmethod
     def label(name: str) -> record_function:

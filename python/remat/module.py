@@ -33,7 +33,9 @@ from .boundary import (
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileError, RematError
 from .executor import Phases, build_phases, device_of, rng_state_bytes
+from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
+from .memory import profiler_running
 from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
 from .trace import captured, graph_inputs, profiled
@@ -149,6 +151,7 @@ class Remat(nn.Module):
         _check_device(self.model, args, kwargs)
         t0 = time.perf_counter()
         budget, options = self._budget_arg, self._options
+        inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
         measure = _Measure()
         measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
@@ -156,7 +159,7 @@ class Remat(nn.Module):
             file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
-                plan = _make_plan(base, saved.outside, budget, options, (saved.schedule, file.path))
+                plan = _make_plan(base, saved.outside, budget, options, inputs, (saved.schedule, file.path))
                 measure.done = measure.done or saved.measured
                 measure.measured = saved.measured
                 log.info("read the plan from %s", file.path)
@@ -168,9 +171,9 @@ class Remat(nn.Module):
                     measure.done = True
                     plan = _make_plan(base, Outside(0), None, options)
                 else:
-                    plan = _first_plan(base, budget, options)
+                    plan = _first_plan(base, budget, options, inputs)
         plan.measure = measure
-        self._current = self._plans[key] = _Planned(base, measure, plan, file)
+        self._current = self._plans[key] = _Planned(base, measure, plan, file, inputs)
         self._current.save()
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
@@ -179,7 +182,7 @@ class Remat(nn.Module):
         if self.plan_dir is None:
             return None
         o = self._options
-        fp = fingerprint(base, self._budget_arg, (o.solver, o.time_limit, o.mip_gap, o.slots))  # compiled or not
+        fp = fingerprint(base, self._budget_arg, (o.solver, o.time_limit, o.mip_gap, o.slots, o.compile))
         return _PlanFile(path_of(self.plan_dir, fp), fp)
 
     def set_budget(self, budget: int | float | None) -> None:
@@ -280,7 +283,7 @@ class Remat(nn.Module):
                 return
         t0 = time.perf_counter()
         try:
-            plan = _make_plan(planned.base, measured, self._budget_arg, self._options)
+            plan = _make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
         plan.measure = measure
@@ -312,6 +315,7 @@ class _Planned:
     measure: _Measure
     plan: _Plan
     file: _PlanFile | None = None
+    inputs: PlanInputs | None = None  # to measure compiled plans with
 
     def save(self) -> None:
         if self.file is not None:
@@ -480,11 +484,12 @@ class _Plan:
     reserve: int  # bytes of the budget held back for RNG states and buffer copies
     outside: Outside
     copied: set[int]  # buffers whose pre-step values the backward phase keeps
+    peak: int  # the step's peak: measured for compiled phases (``fit``), else predicted; the reserve included
     measure: _Measure | None = None
 
     def slack(self) -> int:
-        """Bytes of the budget the plan leaves unused (the executor's reserve aside)."""
-        return self.budget - self.reserve - self.schedule["predicted"]["peak_bytes"]
+        """Bytes of the budget the plan leaves unused."""
+        return self.budget - self.peak
 
     def held_bytes(self) -> int:
         """Activation bytes alive between the phases: the outputs and what the backward reads."""
@@ -506,11 +511,11 @@ class _Plan:
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
-def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
+def _first_plan(base: JointGraph, budget: int | float, options: _Options, inputs: PlanInputs | None = None) -> _Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much
     of it as the budget allows; where even none fits, the plan assumes no output gets a gradient
     or stays held (the loss is inside the model), which the first step checks. A fraction is of
-    the plain step's peak with the estimated loss."""
+    the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
     estimate = estimated_outside(base)
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
         budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
@@ -528,7 +533,7 @@ def _first_plan(base: JointGraph, budget: int | float, options: _Options) -> _Pl
             estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
             if not _fits(base, estimate, budget):
                 estimate = Outside(0, 0, no_grad, released)
-    return _make_plan(base, estimate, budget, options)
+    return _make_plan(base, estimate, budget, options, inputs)
 
 
 def _profiling_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
@@ -544,8 +549,8 @@ def _profiling_plan(base: JointGraph, budget: int | float, options: _Options) ->
 def _plan_again(planned: _Planned, budget: int | float | None, options: _Options) -> _Plan:
     """``planned`` for another budget: for its measured loss, or as before a step measured it."""
     if planned.measure.measured:
-        return _make_plan(planned.base, planned.plan.outside, budget, options)
-    return _first_plan(planned.base, budget, options)
+        return _make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
+    return _first_plan(planned.base, budget, options, planned.inputs)
 
 
 def _min_without_loss(base: JointGraph) -> int:
@@ -574,30 +579,109 @@ def _make_plan(
     outside: Outside,
     budget: int | float | None,
     options: _Options,
+    inputs: PlanInputs | None = None,
     saved: tuple[dict[str, Any], Path] | None = None,
 ) -> _Plan:
     """The plan of ``base`` with ``outside`` within ``budget``: solved, or the schedule of a plan
-    file (``saved``: the schedule and the file), once it replays on the graph within the budget."""
+    file (``saved``: the schedule and the file), once it replays on the graph within the budget.
+    With ``inputs`` and ``options.compile``, the compiled phases are measured (``fit``), and the
+    solver asked again where they hold more than the budget."""
     g = with_outside(base, outside)
     graph_json = g.to_json()
     min_budget, plain_peak = _core.budget_range(graph_json)
     target = _target(budget, min_budget, plain_peak)
     copied = _buffers_to_copy(g)
     most = _reserve(g, None, copied)
-    if saved is None:
-        schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, most, options)
+    fit = options.compile and inputs is not None and budget is not None
+    if fit and profiler_running():
+        log.warning("torch.profiler is running: the compiled plan's memory is not measured, only predicted")
+        fit = False
+    if saved is None and fit:
+        assert inputs is not None
+        fitting = (target, plain_peak, copied, most)
+        schedule, held_back, phases, peak = _fitted(g, graph_json, fitting, options, inputs(g), outside.no_grad)
     else:
-        schedule, path = saved
-        held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
+        if saved is None:
+            schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, most, options)
+        else:
+            schedule, path = saved
+            held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
+            try:
+                json.loads(_core.simulate(graph_json, json.dumps(schedule)))
+            except RematError as exc:
+                why = f"the schedule in {path} does not replay on this graph ({exc}); delete it"
+                raise PlanFileError(why) from None
+        with stage("build"):
+            phases = build_phases(g, schedule, options.compile)
+        predicted = schedule["predicted"]["peak_bytes"]
+        if fit:
+            assert inputs is not None
+            peak = max(measured_peak(g, schedule, phases, inputs(g), outside.no_grad), predicted) + held_back
+        else:
+            peak = predicted + held_back
+        if saved is not None and peak > target:
+            raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
+    limits = (target, plain_peak, min_budget + most, held_back)
+    return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
+
+
+# Compiled plans measured at most for one budget.
+FIT_ROUNDS = 3
+
+
+def _fitted(
+    g: JointGraph,
+    graph_json: str,
+    fitting: tuple[int, int, set[int], int],
+    options: _Options,
+    tensors: dict[int, torch.Tensor],
+    no_grad: frozenset[int],
+) -> tuple[dict[str, Any], int, Phases, int]:
+    """A compiled plan whose step peak keeps ``target``, with the bytes held back, its phases and
+    that peak: the larger of the plan's prediction and of its compiled phases' measurement
+    (``fit``). Where the measurement goes over, the solver is asked again for less by as much.
+    Where no compiled plan keeps the budget, the first schedule runs eagerly, as predicted, with
+    a warning. ``fitting``: the target, plain PyTorch's peak, the copied buffers and the most
+    bytes held back (``_make_plan``)."""
+    target, plain_peak, copied, most = fitting
+    asked, first = target, None
+    for _ in range(FIT_ROUNDS):
         try:
-            peak = json.loads(_core.simulate(graph_json, json.dumps(schedule)))["peak_bytes"]
-        except RematError as exc:
-            raise PlanFileError(f"the schedule in {path} does not replay on this graph ({exc}); delete it") from None
-        if peak + held_back > target:
-            raise PlanFileError(f"the schedule in {path} peaks at {peak + held_back} bytes, over {target}; delete it")
-    with stage("build"):
-        phases = build_phases(g, schedule, options.compile)
-    return _Plan(g, graph_json, schedule, phases, target, plain_peak, min_budget + most, held_back, outside, copied)
+            schedule, held_back = _solve(g, graph_json, asked, plain_peak, copied, most, options)
+        except InfeasibleBudget:
+            if first is None:
+                raise
+            break
+        first = first or (schedule, held_back)
+        t0 = time.perf_counter()
+        phases = build_phases(g, schedule, compiled=True)
+        measured = measured_peak(g, schedule, phases, tensors, no_grad) + held_back
+        predicted = schedule["predicted"]["peak_bytes"] + held_back
+        log.info(
+            "compiled and measured the plan for %d bytes in %.2f s: %d bytes (predicted %d), budget %d",
+            asked,
+            time.perf_counter() - t0,
+            measured,
+            predicted,
+            target,
+        )
+        peak = max(measured, predicted)
+        if peak <= target:
+            return schedule, held_back, phases, peak
+        asked -= peak - target
+    assert first is not None
+    schedule, held_back = first
+    warnings.warn(
+        f"remat: the compiled phases of every plan tried measure over the budget of {target} bytes "
+        "(Inductor's code holds more than the planned order); this plan runs eagerly",
+        stacklevel=2,
+    )
+    return (
+        schedule,
+        held_back,
+        build_phases(g, schedule, compiled=False),
+        schedule["predicted"]["peak_bytes"] + held_back,
+    )
 
 
 def _solve(

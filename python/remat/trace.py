@@ -46,7 +46,7 @@ def profiled(
     with no_autocast():
         if plan is None:
             with stage(f"profile ({len(g.nodes)} ops, plain order)"):
-                profile(g, graph_inputs(g, model, tensors), _sample_tangents(g, frozenset()))
+                profile(g, graph_inputs(g, model, tensors), sample_tangents(g, frozenset()))
         else:
             first = plan(g)
             no_grad = first.outside.no_grad
@@ -54,7 +54,7 @@ def profiled(
                 profile(
                     first.graph,
                     graph_inputs(first.graph, model, tensors),
-                    _sample_tangents(first.graph, no_grad),
+                    sample_tangents(first.graph, no_grad),
                     first.schedule,
                 )
             copy_profile(first.graph, g, tangents=False)
@@ -87,7 +87,7 @@ def graph_inputs(g: JointGraph, model: nn.Module, tensors: list[torch.Tensor]) -
     return out
 
 
-def _sample_tangents(g: JointGraph, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
+def sample_tangents(g: JointGraph, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
     """Output gradients to profile the backward with (their values do not matter); ``None`` for
     the outputs ``no_grad`` (planned without a gradient)."""
     out: dict[int, torch.Tensor | None] = {}

@@ -14,6 +14,12 @@ pub struct Report {
     pub peak_bytes: u64,
     pub forward_peak_bytes: u64,
     pub backward_peak_bytes: u64,
+    /// Bytes alive when the forward phase ends (what it hands over, and the loss's room).
+    #[serde(default)]
+    pub forward_end_bytes: u64,
+    /// Bytes alive when the backward phase starts (what the forward hands over, the tangents).
+    #[serde(default)]
+    pub backward_start_bytes: u64,
     /// Sum of node times over all compute ops (seconds).
     pub time: f64,
     /// Time of the runs beyond the first of each node (seconds).
@@ -25,10 +31,12 @@ pub fn simulate(graph: &Graph, schedule: &Schedule) -> Result<Report> {
     let mut state = State::new(graph);
     let forward_peak = state.run_phase(Phase::Forward, &schedule.forward)?;
     state.check_outputs_alive(Phase::Forward)?;
+    let forward = (forward_peak, state.bytes);
     state.start_backward();
+    let backward_start = state.bytes;
     let backward_peak = state.run_phase(Phase::Backward, &schedule.backward)?;
     state.check_outputs_alive(Phase::Backward)?;
-    Ok(state.report(forward_peak, backward_peak))
+    Ok(state.report(forward, (backward_start, backward_peak)))
 }
 
 struct State<'g> {
@@ -186,7 +194,12 @@ impl<'g> State<'g> {
         }
     }
 
-    fn report(&self, forward_peak_bytes: u64, backward_peak_bytes: u64) -> Report {
+    /// The report of a replay whose phases had (peak, end) and (start, peak) bytes.
+    fn report(
+        &self,
+        (forward_peak_bytes, forward_end_bytes): (u64, u64),
+        (backward_start_bytes, backward_peak_bytes): (u64, u64),
+    ) -> Report {
         let (mut time, mut recomputed_time) = (0.0, 0.0);
         for (node, &runs) in self.graph.nodes().iter().zip(&self.runs) {
             time += node.time * f64::from(runs);
@@ -196,6 +209,8 @@ impl<'g> State<'g> {
             peak_bytes: forward_peak_bytes.max(backward_peak_bytes),
             forward_peak_bytes,
             backward_peak_bytes,
+            forward_end_bytes,
+            backward_start_bytes,
             time,
             recomputed_time,
         }
