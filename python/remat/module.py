@@ -606,8 +606,8 @@ def _make_plan(
         else:
             schedule, path = saved
             held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
-            try:
-                json.loads(_core.simulate(graph_json, json.dumps(schedule)))
+            try:  # the replay on this graph is the plan's prediction
+                schedule = {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
             except RematError as exc:
                 why = f"the schedule in {path} does not replay on this graph ({exc}); delete it"
                 raise PlanFileError(why) from None
