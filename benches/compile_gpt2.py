@@ -10,7 +10,7 @@ CPU (``remat.rss_peak``; the script restarts itself with ``MALLOC_MMAP_THRESHOLD
 the step are included in every row. The loss is ``logits.pow(2).mean()`` outside the model.
 
     .venv/bin/python benches/compile_gpt2.py                       # GPT-2 6L, n_embd 256, 4 x 256
-    .venv/bin/python benches/compile_gpt2.py --layers 12 --remat 0.5 0.3
+    .venv/bin/python benches/compile_gpt2.py --layers 12 --remat 0.5 0.3 smallest
     python benches/compile_gpt2.py --device cuda --layers 12 --batch 8 --seq 512
     .venv/bin/python benches/compile_gpt2.py --resnet              # torchvision ResNet-18, MSE loss
 """
@@ -41,7 +41,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--knob", type=float, nargs="*", default=[1.0, 0.5, 0.2, 0.1, 0.0])
-    parser.add_argument("--remat", type=float, nargs="*", default=[0.5, 0.4, 0.3])
+    parser.add_argument(
+        "--remat",
+        type=_budget,
+        nargs="*",
+        default=[0.5, 0.4, 0.3, "smallest"],
+        help="fractions, bytes, or 'smallest' (the smallest budget remat keeps for this step)",
+    )
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     if not cuda and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # rss_peak needs it from the start
@@ -88,16 +94,27 @@ def main() -> None:
         with torch._functorch.config.patch(activation_memory_budget=budget):
             compiled = torch.compile(model)
             run(f"torch.compile, budget {budget}", compiled)
+    smallest = None
     for compile in (False, True):
         for budget in args.remat:
             label = f"remat{' compiled' if compile else ''}, budget {budget}"
             try:
                 with autocast:
-                    rm = remat.Remat(model, sample, budget, compile=compile)
+                    rm = remat.Remat(model, sample, 1.0 if budget == "smallest" else budget, compile=compile)
+                if budget == "smallest":
+                    for _ in range(2):  # measures the loss, which decides the smallest budget, and plans for it
+                        step_of(rm)()
+                    smallest = rm.min_budget
+                    rm.set_budget(smallest)
+                    label = f"{label} ({smallest} bytes)"
                 run(label, rm)
             except remat.InfeasibleBudget as exc:  # the first step measured a loss that leaves no room
                 print(f"{label}: {exc}", flush=True)
     for budget in args.remat:
+        if budget == "smallest":
+            budget = smallest  # in bytes, for the whole step
+            if budget is None:
+                continue
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=remat.backend(budget), dynamic=False)
         try:
@@ -138,6 +155,12 @@ def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
     tokens = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
     name = f"GPT-2 {args.layers}L, n_embd {args.embd}, vocab {args.vocab}, {args.batch} x {args.seq} tokens"
     return model, tokens, lambda out: out.logits.float().pow(2).mean(), name
+
+
+def _budget(text: str) -> float | int | str:
+    if text == "smallest":
+        return text
+    return float(text) if "." in text else int(text)
 
 
 def _timed(step: Callable[[], None]) -> float:
