@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import DeviceMismatch, NotSequential
 from .executor import rng_state_bytes, save_rng_state
-from .memory import Allocations, peak
+from .memory import Allocations, peak, storage_ptrs
 
 
 @dataclass
@@ -272,7 +272,7 @@ def _measure_block(block: Block, x: torch.Tensor, repeat: int) -> tuple[dict[str
         with Allocations.label("b"):
             backward_from(y, box)
         out_bytes, y_bytes = _bytes(x_next), _bytes(y)
-        grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+        grad_ptrs = storage_ptrs(p.grad for p in params)
         dx_bytes = _bytes(x_in.grad) if x_in.grad is not None else 0
         del x_in, y
     deltas = record.deltas
@@ -281,7 +281,7 @@ def _measure_block(block: Block, x: torch.Tensor, repeat: int) -> tuple[dict[str
     kept = sum(d for _, d in deltas[start:end])
     fe_temp = peak(deltas, set(), start, end) - kept
     saved = kept - y_bytes
-    grads = {serial for ptr, serial in record.live.items() if ptr in grad_ptrs}
+    grads = record.alive_at(grad_ptrs)
     b_temp = peak(deltas, grads, *record.span("b")) - dx_bytes
     cuda = x.device.type == "cuda"
     fn_time = _best_time(lambda: block(x), repeat, cuda, grad=False)

@@ -24,7 +24,7 @@ from torch import nn
 from .amp import no_autocast
 from .executor import Phases
 from .graph import JointGraph
-from .memory import Allocations, peak
+from .memory import Allocations, peak, storage_ptrs
 from .trace import graph_inputs, sample_tangents
 
 
@@ -70,7 +70,7 @@ def measured_peak(
         phases.backward.compile_for(args)
         with Allocations(prior=True) as record:
             grads = phases.backward(args)
-        ptrs = {t.untyped_storage().data_ptr() for t in grads if isinstance(t, torch.Tensor)}
+        ptrs = storage_ptrs(grads)
         del grads, held
-        backward = peak(record.deltas, {serial for ptr, serial in record.live.items() if ptr in ptrs})
+        backward = peak(record.deltas, record.alive_at(ptrs))
     return max(forward, predicted["forward_end_bytes"], predicted["backward_start_bytes"] + backward)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +83,10 @@ class Allocations:
             else:
                 self.deltas.append((serial, nbytes if self.prior else 0))
 
+    def alive_at(self, ptrs: set[int]) -> set[int]:
+        """Serials of the recorded allocations still alive at the end at the addresses ``ptrs``."""
+        return {serial for ptr, serial in self.live.items() if ptr in ptrs}
+
     @staticmethod
     def label(name: str) -> record_function:
         """A span of the recording named ``name``."""
@@ -111,9 +115,13 @@ def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemo
     params = [t for t in keep if isinstance(t, torch.nn.Parameter)]
     with Allocations() as record:
         step()
-    grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
-    grads = {serial for ptr, serial in record.live.items() if ptr in grad_ptrs}
+    grads = record.alive_at(storage_ptrs(p.grad for p in params))
     return StepMemory(peak(record.deltas, grads), peak(record.deltas, set()))
+
+
+def storage_ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
+    """The addresses of the storages of ``tensors`` (``None`` skipped)."""
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
 
 
 def peak(deltas: list[tuple[int, int]], skip: set[int], start: int = 0, end: int | None = None) -> int:

@@ -613,12 +613,11 @@ def _make_plan(
                 raise PlanFileError(why) from None
         with stage("build"):
             phases = build_phases(g, schedule, options.compile)
-        predicted = schedule["predicted"]["peak_bytes"]
         if fit:
             assert inputs is not None
-            peak = max(measured_peak(g, schedule, phases, inputs(g), outside.no_grad), predicted) + held_back
+            peak = _compiled_peak(g, schedule, phases, inputs(g), outside.no_grad) + held_back
         else:
-            peak = predicted + held_back
+            peak = schedule["predicted"]["peak_bytes"] + held_back
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
@@ -653,19 +652,8 @@ def _fitted(
                 raise
             break
         first = first or (schedule, held_back)
-        t0 = time.perf_counter()
         phases = build_phases(g, schedule, compiled=True)
-        measured = measured_peak(g, schedule, phases, tensors, no_grad) + held_back
-        predicted = schedule["predicted"]["peak_bytes"] + held_back
-        log.info(
-            "compiled and measured the plan for %d bytes in %.2f s: %d bytes (predicted %d), budget %d",
-            asked,
-            time.perf_counter() - t0,
-            measured,
-            predicted,
-            target,
-        )
-        peak = max(measured, predicted)
+        peak = _compiled_peak(g, schedule, phases, tensors, no_grad) + held_back
         if peak <= target:
             return schedule, held_back, phases, peak
         asked -= peak - target
@@ -682,6 +670,19 @@ def _fitted(
         build_phases(g, schedule, compiled=False),
         schedule["predicted"]["peak_bytes"] + held_back,
     )
+
+
+def _compiled_peak(
+    g: JointGraph, schedule: dict[str, Any], phases: Phases, tensors: dict[int, torch.Tensor], no_grad: frozenset[int]
+) -> int:
+    """The larger of ``schedule``'s predicted peak and its compiled ``phases``' measured one (logged)."""
+    t0 = time.perf_counter()
+    measured = measured_peak(g, schedule, phases, tensors, no_grad)
+    predicted = schedule["predicted"]["peak_bytes"]
+    log.info(
+        "compiled and measured a plan in %.2f s: %d bytes (predicted %d)", time.perf_counter() - t0, measured, predicted
+    )
+    return max(measured, predicted)
 
 
 def _solve(
