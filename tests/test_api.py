@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import remat
@@ -98,6 +99,21 @@ def test_infeasible_budget_names_the_smallest_feasible_one() -> None:
     assert rm.schedule["predicted"]["peak_bytes"] <= smallest
     with pytest.raises(remat.InfeasibleBudget):
         remat.Remat(model, sample, smallest - 1024)
+
+
+def test_a_budget_that_costs_more_recomputation_than_a_step_warns() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(16)])
+    sample = torch.randn(64, 128)
+    plain = remat.Remat(model, sample, 1.0, measure_loss=False)
+    with pytest.warns(UserWarning, match="recomputing") as record:
+        floor = remat.Remat(model, sample, plain.min_budget, measure_loss=False)
+    predicted = floor.schedule["predicted"]
+    assert predicted["recomputed_time"] > predicted["time"] - predicted["recomputed_time"]
+    assert str(plain.min_budget) in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.Remat(model, sample, plain.plain_peak, measure_loss=False)
 
 
 def test_call_with_other_shapes_beyond_max_plans_raises() -> None:

@@ -12,6 +12,7 @@ import pytest
 import remat
 import torch
 from helpers import assert_close_grads
+from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 LOGITS = 1  # index of the logits among the model's outputs (the loss is 0)
@@ -88,3 +89,38 @@ def test_smallest_budget_is_under_checkpointing() -> None:
         _measure(model, floor, batch, hold=False)
     peak, _ = _measure(model, floor, batch, hold=False)
     assert peak <= floor.budget < checkpoint, (peak, floor.budget, checkpoint)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(6)])
+        self.head, self.side = nn.Linear(128, 512), nn.Linear(128, 512)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.head(h), self.side(h)
+
+
+def test_an_unmeasured_loss_is_estimated_over_the_outputs_it_differentiates() -> None:
+    """Where no step measures the loss (``measure_loss=False``, as for ``remat.backend``'s
+    graphs), the first step tells the outputs without gradient: the next is planned for a loss
+    room without them, and the parameters only they read get no gradient, as in plain PyTorch."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(64, 128)
+
+    def step(runner: nn.Module) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        runner(x)[0].pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = step(model)
+    rm = remat.Remat(model, x, 0.7, measure_loss=False, time_limit=5)
+    first = rm.outside
+    assert first.no_grad == frozenset()
+    grads = [step(rm) for _ in range(2)]
+    assert rm.outside.no_grad == frozenset({1})
+    head_room = remat.boundary.LOSS_TENSORS_PER_OUTPUT * 64 * 512 * 4 + remat.boundary.LOSS_SCALARS
+    assert rm.outside.loss_bytes == head_room < first.loss_bytes
+    for got in grads:
+        assert_close_grads(got, plain)  # the side head's parameters included: without gradient

@@ -5,7 +5,7 @@ so a compiled phase mostly holds less than the plan predicts from the eager ops;
 code may also hold a buffer past the point where the plan frees it. A compiled plan is measured
 before it runs a step: both phases run once on the planning inputs (the generator's state
 restored after), each under the allocator's recorded events, the outputs held by the caller
-meanwhile. The measured step peak is the largest of the forward phase's measured peak, the
+meanwhile and the output gradients through the backward (as autograd holds them). The measured step peak is the largest of the forward phase's measured peak, the
 predicted bytes at the forward's end (the outputs, what the backward reads, and the loss's room)
 and the predicted bytes at the backward's start plus the backward phase's measured peak.
 ``Remat`` holds a compiled plan to the larger of this and the plan's prediction (the user's loss
@@ -66,11 +66,12 @@ def measured_peak(
         del result
         tangents = sample_tangents(g, no_grad)
         args = [tangents[v] if v in tangents else inputs[v] for v in phases.backward_inputs] + saved
+        given = list(tangents.values())  # autograd holds the output gradients through a backward
         del saved, tangents
         phases.backward.compile_for(args)
         with Allocations(prior=True) as record:
             grads = phases.backward(args)
         ptrs = storage_ptrs(grads)
-        del grads, held
+        del grads, held, given
         backward = peak(record.deltas, record.alive_at(ptrs))
     return max(forward, predicted["forward_end_bytes"], predicted["backward_start_bytes"] + backward)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -265,7 +266,21 @@ class Remat(nn.Module):
         planned.measure.settle(others=not compiled)
         if planned.measure.outside is not None:
             self._plan_for_measured(planned)
+        elif planned.measure.no_grad is not None and not planned.measure.no_grad_planned:
+            self._plan_for_outputs(planned)
         return planned.plan.run(self.model, args, kwargs)
+
+    def _plan_for_outputs(self, planned: _Planned) -> None:
+        """Plan again, once, for the loss estimated over the outputs the first step differentiated
+        (where the loss is not measured: a compiled caller, ``measure_loss=False``)."""
+        measure = planned.measure
+        measure.no_grad_planned = True
+        if self._budget_arg is None or measure.no_grad == planned.plan.outside.no_grad:
+            return
+        planned.plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, measure.no_grad)
+        planned.plan.measure = measure
+        planned.save()
+        log.info("planned again for the loss estimated without the %d outputs given no gradient", len(measure.no_grad))
 
     def _plan_for_measured(self, planned: _Planned) -> None:
         """Plan again for what the first step measured outside the graph (once)."""
@@ -344,6 +359,9 @@ class _Measure:
         self.attempts = 0
         self.window: Window | None = None  # open, or closed and not yet removed
         self.outside: Outside | None = None  # measured, not yet planned for
+        # Where no window measures the loss: the outputs the first step gave no gradient.
+        self.no_grad: frozenset[int] | None = None
+        self.no_grad_planned = False
 
     def give_up(self) -> None:
         """No window: called from a torch.compile'd module, whose frames restore the dispatch
@@ -359,6 +377,11 @@ class _Measure:
 
     def wanted(self) -> bool:
         return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
+
+    def learn_outputs(self, grads: tuple) -> None:
+        """At a backward whose loss no window measured: the outputs without gradient (first step only)."""
+        if self.done and not self.measured and self.no_grad is None:
+            self.no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
 
     def settle(self, others: bool) -> None:
         """Before a forward: a window still there is removed (one still open measured nothing),
@@ -487,6 +510,11 @@ class _Plan:
     peak: int  # the step's peak: measured for compiled phases (``fit``), else predicted; the reserve included
     measure: _Measure | None = None
 
+    @functools.cached_property
+    def grad_sources(self) -> dict[int, frozenset[int]]:
+        """Input value id -> indices of the outputs whose gradients its gradient is computed from."""
+        return _grad_sources(self.graph)
+
     def slack(self) -> int:
         """Bytes of the budget the plan leaves unused."""
         return self.budget - self.peak
@@ -511,12 +539,19 @@ class _Plan:
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
-def _first_plan(base: JointGraph, budget: int | float, options: _Options, inputs: PlanInputs | None = None) -> _Plan:
-    """The plan before a step has measured the loss: room for the estimated loss, or for as much
-    of it as the budget allows; where even none fits, the plan assumes no output gets a gradient
-    or stays held (the loss is inside the model), which the first step checks. A fraction is of
-    the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
-    estimate = estimated_outside(base)
+def _first_plan(
+    base: JointGraph,
+    budget: int | float,
+    options: _Options,
+    inputs: PlanInputs | None = None,
+    no_grad: frozenset[int] = frozenset(),
+) -> _Plan:
+    """The plan before a step has measured the loss: room for the estimated loss (of the outputs
+    but ``no_grad``), or for as much of it as the budget allows; where even none fits, the plan
+    assumes no output gets a gradient or stays held (the loss is inside the model), which the first
+    step checks. A fraction is of the plain step's peak with the estimated loss. ``inputs``: to fit
+    compiled phases with."""
+    estimate = estimated_outside(base, no_grad)
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
         budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
     if not _fits(base, estimate, budget):
@@ -550,7 +585,7 @@ def _plan_again(planned: _Planned, budget: int | float | None, options: _Options
     """``planned`` for another budget: for its measured loss, or as before a step measured it."""
     if planned.measure.measured:
         return _make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
-    return _first_plan(planned.base, budget, options, planned.inputs)
+    return _first_plan(planned.base, budget, options, planned.inputs, planned.measure.no_grad or frozenset())
 
 
 def _min_without_loss(base: JointGraph) -> int:
@@ -621,7 +656,37 @@ def _make_plan(
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
+    _warn_if_slow(schedule, limits, options)
     return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
+
+
+# A plan whose predicted recomputation takes longer than this many plain steps is warned of.
+SLOW_RECOMPUTATION = 1.0
+
+
+def _warn_if_slow(schedule: dict[str, Any], limits: tuple[int, int, int, int], options: _Options) -> None:
+    """Warns where ``schedule`` recomputes more than ``SLOW_RECOMPUTATION`` plain steps' time:
+    a budget near the smallest one, where few schedules fit and the fast ones may not be found."""
+    predicted = schedule["predicted"]
+    recomputed = predicted["recomputed_time"]
+    plain = predicted["time"] - recomputed
+    if recomputed <= SLOW_RECOMPUTATION * plain:
+        return
+    target, plain_peak, min_budget, _ = limits
+    where = (target - min_budget) / max(plain_peak - min_budget, 1)
+    found = (
+        f"the solver found no plan within time_limit={options.time_limit} s and this one is the keep-set "
+        "heuristic's; a larger time_limit or budget may find a faster one"
+        if (schedule.get("solver") or {}).get("status") == "fallback"
+        else "a larger budget runs faster"
+    )
+    warnings.warn(
+        f"remat: the plan for {target} bytes is predicted to spend {recomputed:.3g} s per step recomputing, "
+        f"{recomputed / max(plain, 1e-12):.1f}x the {plain:.3g} s of the step itself: the budget lies {where:.0%} "
+        f"of the way from the smallest one ({min_budget} bytes) to plain PyTorch's peak ({plain_peak} bytes); "
+        f"{found}",
+        stacklevel=3,
+    )
 
 
 # Compiled plans measured at most for one budget.
@@ -773,14 +838,18 @@ class _Step(torch.autograd.Function):
         if ctx.window is not None:
             plan.measure.close(ctx.window, grad_outputs, plan)
             ctx.window = None
+        elif plan.measure is not None:
+            plan.measure.learn_outputs(grad_outputs)
         tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
+        grad_outputs_given = [grad is not None for grad in grad_outputs]
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
         args += ctx.saved
         ctx.saved = None
         del tangents, grad_outputs
         with no_autocast():
             grads = dict(zip(phases.grads, phases.backward(args)))
-        by_input = _grads_by_input(g, grads)
+        got = frozenset(i for i, given in enumerate(grad_outputs_given) if given)
+        by_input = _grads_by_input(g, grads, plan.grad_sources, got)
         return (None, None, *[by_input.get(v) for v in ctx.vids])
 
 
@@ -829,7 +898,11 @@ def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int,
     return out
 
 
-def _grads_by_input(g: JointGraph, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _grads_by_input(
+    g: JointGraph, grads: dict[int, torch.Tensor], sources: dict[int, frozenset[int]], got: frozenset[int]
+) -> dict[int, torch.Tensor]:
+    """Input value id -> its gradient; none where every output its gradient reads the gradient of
+    got none (plain autograd leaves ``.grad`` unset there, where the phase computes zeros)."""
     c = g.captured
     param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
     input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
@@ -838,5 +911,25 @@ def _grads_by_input(g: JointGraph, grads: dict[int, torch.Tensor]) -> dict[int, 
         if b.kind != "grad" or o is None:
             continue
         vid = param_vid[b.target] if b.grad_of == "param" else input_vid[b.target]
-        out[vid] = grads[g.value_of[o]]
+        if sources[vid] & got:
+            out[vid] = grads[g.value_of[o]]
+    return out
+
+
+def _grad_sources(g: JointGraph) -> dict[int, frozenset[int]]:
+    """Input value id -> indices of the outputs whose gradients its gradient is computed from."""
+    c = g.captured
+    tangent_of = {ph: b.target for ph, b in zip(c.placeholders, c.bindings) if b.kind == "tangent"}
+    param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
+    input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
+    reads: dict[Any, frozenset[int]] = {}
+    for n in c.gm.graph.nodes:
+        if n in tangent_of:
+            reads[n] = frozenset((tangent_of[n],))
+        else:
+            reads[n] = frozenset().union(*(reads[a] for a in n.all_input_nodes))
+    out = {}
+    for o, b in zip(c.outputs, c.output_bindings):
+        if b.kind == "grad" and o is not None:
+            out[param_vid[b.target] if b.grad_of == "param" else input_vid[b.target]] = reads[o]
     return out
