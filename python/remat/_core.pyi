@@ -1,13 +1,20 @@
 """Native planning core (Rust, built by maturin). Graphs and schedules are JSON strings in the
 formats of docs/formats.md."""
 
+from typing import Literal
+
 __version__: str
 
 def plan(
-    graph_json: str, budget: int, solver: str = "rockmate", time_limit: float = 30.0, mip_gap: float = 0.01
+    graph_json: str,
+    budget: int,
+    solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
+    time_limit: float = 30.0,
+    mip_gap: float = 0.01,
+    slots: int = 500,
 ) -> str:
     """Schedule of least time whose simulated peak is at most ``budget`` bytes, by ``solver``
-    (``"rockmate"``, ``"rotor"`` or ``"checkmate"``).
+    (``"rockmate"``, ``"rotor"`` or ``"checkmate"``; ``slots``: the memory grid of rotor's DP).
 
     Raises remat.InfeasibleBudget below the smallest feasible budget, remat.GraphError on a
     malformed graph. Releases the GIL while solving.

@@ -23,13 +23,13 @@ import torch
 import torch.fx as fx
 
 from .errors import CaptureError, InfeasibleBudget
-from .module import Remat, check_budget
+from .module import Remat, Solver, check_budget
 
 
 def backend(
     budget: int | float | None = None,
     *,
-    solver: str = "rockmate",
+    solver: Solver = "rockmate",
     time_limit: float = 30.0,
     mip_gap: float = 0.01,
     slots: int = 500,

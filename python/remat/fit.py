@@ -5,9 +5,10 @@ so a compiled phase mostly holds less than the plan predicts from the eager ops;
 code may also hold a buffer past the point where the plan frees it. A compiled plan is measured
 before it runs a step: both phases run once on the planning inputs (the generator's state
 restored after), each under the allocator's recorded events, the outputs held by the caller
-meanwhile and the output gradients through the backward (as autograd holds them). The measured step peak is the largest of the forward phase's measured peak, the
-predicted bytes at the forward's end (the outputs, what the backward reads, and the loss's room)
-and the predicted bytes at the backward's start plus the backward phase's measured peak.
+meanwhile and the output gradients through the backward (as autograd holds them). The measured
+step peak is the largest of the forward phase's measured peak, the predicted bytes at the
+forward's end (the outputs, what the backward reads, and the loss's room) and the predicted bytes
+at the backward's start plus the backward phase's measured peak.
 ``Remat`` holds a compiled plan to the larger of this and the plan's prediction (the user's loss
 does not run here, and its transient memory is only predicted), and plans again for less where
 the measurement goes over (``module._fitted``).

@@ -12,7 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -41,7 +41,8 @@ from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
 from .trace import captured, graph_inputs, profiled
 
-SOLVERS = ("rockmate", "rotor", "checkmate", "none")
+Solver = Literal["rockmate", "rotor", "checkmate", "none"]
+SOLVERS: tuple[Solver, ...] = get_args(Solver)
 
 log = logging.getLogger("remat")
 
@@ -97,7 +98,7 @@ class Remat(nn.Module):
         sample: Any,
         budget: int | float | None = None,
         *,
-        solver: str = "rockmate",
+        solver: Solver = "rockmate",
         time_limit: float = 30.0,
         mip_gap: float = 0.01,
         slots: int = 500,
@@ -340,7 +341,7 @@ class _Planned:
 
 @dataclass(frozen=True)
 class _Options:
-    solver: str
+    solver: Solver
     time_limit: float
     mip_gap: float
     slots: int
