@@ -2,7 +2,8 @@
 
 Between the end of remat's forward phase and the start of its backward phase the user's code
 runs: the loss (cross-entropy over a vocabulary keeps its log-softmax, and its backward makes two
-more tensors of the logits' size), metrics, the loss's backward. Everything the forward phase
+more tensors of the logits' size; ``pow(2).mean()``'s backward holds four), metrics, the loss's
+backward. Everything the forward phase
 kept is alive meanwhile. The plan sees this as a node at the end of the forward phase, the *loss
 room*, whose output of ``loss_bytes`` is held until the backward phase starts.
 
@@ -36,9 +37,10 @@ from torch.utils._pytree import tree_leaves
 from .capture import Captured
 from .graph import JointGraph, Value, build_graph
 
-# Tensors of an output's size that a usual loss holds at once: cross-entropy keeps its
-# log-softmax while its backward makes the log-softmax's gradient and then the output's.
-LOSS_TENSORS_PER_OUTPUT = 3
+# Tensors of an output's size that a usual loss holds at once, the most of those measured:
+# ``x.pow(2).mean()``'s backward holds the mean's gradient, ``2 * grad``, ``x.pow(1)`` and their
+# product; cross-entropy keeps its log-softmax while its backward makes two gradients.
+LOSS_TENSORS_PER_OUTPUT = 4
 # Bytes of the loss itself and its seed gradient, held through the backward.
 LOSS_SCALARS = 64
 
