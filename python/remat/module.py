@@ -174,9 +174,8 @@ class Remat(nn.Module):
                     plan = _make_plan(base, Outside(0), None, options)
                 else:
                     plan = _first_plan(base, budget, options, inputs)
-        plan.measure = measure
         self._current = self._plans[key] = _Planned(base, measure, plan, file, inputs)
-        self._current.save()
+        self._current.adopt(plan, options)
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
 
@@ -198,8 +197,8 @@ class Remat(nn.Module):
         self._budget_arg = budget
         for key, plan in plans.items():
             planned = self._plans[key]
-            plan.measure, planned.plan, planned.file = planned.measure, plan, self._plan_file(planned.base)
-            planned.save()
+            planned.file = self._plan_file(planned.base)
+            planned.adopt(plan, self._options)
 
     @property
     def _plan(self) -> _Plan | None:
@@ -278,9 +277,8 @@ class Remat(nn.Module):
         measure.no_grad_planned = True
         if self._budget_arg is None or measure.no_grad == planned.plan.outside.no_grad:
             return
-        planned.plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, measure.no_grad)
-        planned.plan.measure = measure
-        planned.save()
+        plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, measure.no_grad)
+        planned.adopt(plan, self._options)
         log.info("planned again for the loss estimated without the %d outputs given no gradient", len(measure.no_grad))
 
     def _plan_for_measured(self, planned: _Planned) -> None:
@@ -302,9 +300,7 @@ class Remat(nn.Module):
             plan = _make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
-        plan.measure = measure
-        planned.plan = plan
-        planned.save()
+        planned.adopt(plan, self._options)
         log.info(
             "planned again for the step's loss (%d bytes between forward and backward, %d held through the "
             "backward; %d outputs without gradient, %d released before the backward) in %.2f s",
@@ -332,6 +328,12 @@ class _Planned:
     plan: _Plan
     file: _PlanFile | None = None
     inputs: PlanInputs | None = None  # to measure compiled plans with
+
+    def adopt(self, plan: _Plan, options: _Options) -> None:
+        """Runs ``plan`` from now on (with a warning where it is slow) and saves it."""
+        plan.measure, self.plan = self.measure, plan
+        _warn_if_slow(plan, options)
+        self.save()
 
     def save(self) -> None:
         if self.file is not None:
@@ -657,7 +659,6 @@ def _make_plan(
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
-    _warn_if_slow(schedule, limits, options)
     return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
 
 
@@ -665,20 +666,20 @@ def _make_plan(
 SLOW_RECOMPUTATION = 1.0
 
 
-def _warn_if_slow(schedule: dict[str, Any], limits: tuple[int, int, int, int], options: _Options) -> None:
-    """Warns where ``schedule`` recomputes more than ``SLOW_RECOMPUTATION`` plain steps' time:
-    a budget near the smallest one, where few schedules fit and the fast ones may not be found."""
-    predicted = schedule["predicted"]
+def _warn_if_slow(plan: _Plan, options: _Options) -> None:
+    """Warns where ``plan`` recomputes more than ``SLOW_RECOMPUTATION`` plain steps' time: a
+    budget near the smallest one, where few schedules fit and the fast ones may not be found."""
+    predicted = plan.schedule["predicted"]
     recomputed = predicted["recomputed_time"]
     plain = predicted["time"] - recomputed
     if recomputed <= SLOW_RECOMPUTATION * plain:
         return
-    target, plain_peak, min_budget, _ = limits
+    target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
     where = (target - min_budget) / max(plain_peak - min_budget, 1)
     found = (
         f"the solver found no plan within time_limit={options.time_limit} s and this one is the keep-set "
         "heuristic's; a larger time_limit or budget may find a faster one"
-        if (schedule.get("solver") or {}).get("status") == "fallback"
+        if (plan.schedule.get("solver") or {}).get("status") == "fallback"
         else "a larger budget runs faster"
     )
     warnings.warn(
@@ -842,14 +843,13 @@ class _Step(torch.autograd.Function):
         elif plan.measure is not None:
             plan.measure.learn_outputs(grad_outputs)
         tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
-        grad_outputs_given = [grad is not None for grad in grad_outputs]
+        got = frozenset(i for i, grad in enumerate(grad_outputs) if grad is not None)
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
         args += ctx.saved
         ctx.saved = None
         del tangents, grad_outputs
         with no_autocast():
             grads = dict(zip(phases.grads, phases.backward(args)))
-        got = frozenset(i for i, given in enumerate(grad_outputs_given) if given)
         by_input = _grads_by_input(g, grads, plan.grad_sources, got)
         return (None, None, *[by_input.get(v) for v in ctx.vids])
 
@@ -904,33 +904,29 @@ def _grads_by_input(
 ) -> dict[int, torch.Tensor]:
     """Input value id -> its gradient; none where every output its gradient reads the gradient of
     got none (plain autograd leaves ``.grad`` unset there, where the phase computes zeros)."""
+    return {vid: grads[g.value_of[o]] for vid, o in _grad_outputs(g) if sources[vid] & got}
+
+
+def _grad_outputs(g: JointGraph) -> list[tuple[int, Any]]:
+    """(input value id, the FX output node of its gradient) for each input the graph differentiates."""
     c = g.captured
     param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
     input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
-    out = {}
-    for o, b in zip(c.outputs, c.output_bindings):
-        if b.kind != "grad" or o is None:
-            continue
-        vid = param_vid[b.target] if b.grad_of == "param" else input_vid[b.target]
-        if sources[vid] & got:
-            out[vid] = grads[g.value_of[o]]
-    return out
+    return [
+        (param_vid[b.target] if b.grad_of == "param" else input_vid[b.target], o)
+        for o, b in zip(c.outputs, c.output_bindings)
+        if b.kind == "grad" and o is not None
+    ]
 
 
 def _grad_sources(g: JointGraph) -> dict[int, frozenset[int]]:
     """Input value id -> indices of the outputs whose gradients its gradient is computed from."""
     c = g.captured
     tangent_of = {ph: b.target for ph, b in zip(c.placeholders, c.bindings) if b.kind == "tangent"}
-    param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
-    input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
     reads: dict[Any, frozenset[int]] = {}
     for n in c.gm.graph.nodes:
         if n in tangent_of:
             reads[n] = frozenset((tangent_of[n],))
         else:
             reads[n] = frozenset().union(*(reads[a] for a in n.all_input_nodes))
-    out = {}
-    for o, b in zip(c.outputs, c.output_bindings):
-        if b.kind == "grad" and o is not None:
-            out[param_vid[b.target] if b.grad_of == "param" else input_vid[b.target]] = reads[o]
-    return out
+    return {vid: reads[o] for vid, o in _grad_outputs(g)}
