@@ -3,9 +3,9 @@
 Between the end of remat's forward phase and the start of its backward phase the user's code
 runs: the loss (cross-entropy over a vocabulary keeps its log-softmax, and its backward makes two
 more tensors of the logits' size; ``pow(2).mean()``'s backward holds four), metrics, the loss's
-backward. Everything the forward phase
-kept is alive meanwhile. The plan sees this as a node at the end of the forward phase, the *loss
-room*, whose output of ``loss_bytes`` is held until the backward phase starts.
+backward. Everything the forward phase kept is alive meanwhile. The plan sees this as a node at
+the end of the forward phase, the *loss room*, whose output of ``loss_bytes`` is held until the
+backward phase starts.
 
 Outputs that no loss differentiates (the logits of a model that computes its loss inside) get no
 gradient. The plan then counts no gradient for them for the whole backward: a node of the

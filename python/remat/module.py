@@ -514,9 +514,10 @@ class _Plan:
     measure: _Measure | None = None
 
     @functools.cached_property
-    def grad_sources(self) -> dict[int, frozenset[int]]:
-        """Input value id -> indices of the outputs whose gradients its gradient is computed from."""
-        return _grad_sources(self.graph)
+    def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
+        """For each input the graph differentiates: its value id, its gradient's value id, and the
+        indices of the outputs whose gradients that gradient is computed from."""
+        return _input_grads(self.graph)
 
     def slack(self) -> int:
         """Bytes of the budget the plan leaves unused."""
@@ -850,7 +851,7 @@ class _Step(torch.autograd.Function):
         del tangents, grad_outputs
         with no_autocast():
             grads = dict(zip(phases.grads, phases.backward(args)))
-        by_input = _grads_by_input(g, grads, plan.grad_sources, got)
+        by_input = _grads_by_input(grads, plan.input_grads, got)
         return (None, None, *[by_input.get(v) for v in ctx.vids])
 
 
@@ -900,33 +901,28 @@ def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int,
 
 
 def _grads_by_input(
-    g: JointGraph, grads: dict[int, torch.Tensor], sources: dict[int, frozenset[int]], got: frozenset[int]
+    grads: dict[int, torch.Tensor], input_grads: list[tuple[int, int, frozenset[int]]], got: frozenset[int]
 ) -> dict[int, torch.Tensor]:
-    """Input value id -> its gradient; none where every output its gradient reads the gradient of
-    got none (plain autograd leaves ``.grad`` unset there, where the phase computes zeros)."""
-    return {vid: grads[g.value_of[o]] for vid, o in _grad_outputs(g) if sources[vid] & got}
+    """Input value id -> its gradient (``_Plan.input_grads``); none where every output its
+    gradient reads the gradient of got none (plain autograd leaves ``.grad`` unset there, where
+    the phase computes zeros)."""
+    return {vid: grads[grad] for vid, grad, sources in input_grads if sources & got}
 
 
-def _grad_outputs(g: JointGraph) -> list[tuple[int, Any]]:
-    """(input value id, the FX output node of its gradient) for each input the graph differentiates."""
+def _input_grads(g: JointGraph) -> list[tuple[int, int, frozenset[int]]]:
+    """See ``_Plan.input_grads``."""
     c = g.captured
     param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
     input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
-    return [
-        (param_vid[b.target] if b.grad_of == "param" else input_vid[b.target], o)
-        for o, b in zip(c.outputs, c.output_bindings)
-        if b.kind == "grad" and o is not None
-    ]
-
-
-def _grad_sources(g: JointGraph) -> dict[int, frozenset[int]]:
-    """Input value id -> indices of the outputs whose gradients its gradient is computed from."""
-    c = g.captured
     tangent_of = {ph: b.target for ph, b in zip(c.placeholders, c.bindings) if b.kind == "tangent"}
-    reads: dict[Any, frozenset[int]] = {}
+    reads: dict[Any, frozenset[int]] = {}  # FX node -> the output gradients it is computed from
     for n in c.gm.graph.nodes:
         if n in tangent_of:
             reads[n] = frozenset((tangent_of[n],))
         else:
             reads[n] = frozenset().union(*(reads[a] for a in n.all_input_nodes))
-    return {vid: reads[o] for vid, o in _grad_outputs(g)}
+    return [
+        (param_vid[b.target] if b.grad_of == "param" else input_vid[b.target], g.value_of[o], reads[o])
+        for o, b in zip(c.outputs, c.output_bindings)
+        if b.kind == "grad" and o is not None
+    ]
