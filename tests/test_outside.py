@@ -124,3 +124,64 @@ def test_an_unmeasured_loss_is_estimated_over_the_outputs_it_differentiates() ->
     assert rm.outside.loss_bytes == head_room < first.loss_bytes
     for got in grads:
         assert_close_grads(got, plain)  # the side head's parameters included: without gradient
+
+
+def test_an_unmeasured_loss_without_room_in_the_budget_raises_and_its_smallest_budget_holds() -> None:
+    """Before a step tells which outputs get a gradient, the first plan makes the estimated loss
+    room as small as the budget needs. Where no step measures the loss, the estimate over the
+    outputs the first step differentiated is all remat knows: a budget without room for it raises
+    (the step would go over by the difference), and the smallest budget it names holds."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(64, 128)
+    keep = [*model.parameters(), x]
+
+    def step_of(runner: nn.Module):
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            runner(x)[0].pow(2).mean().backward()
+
+        return step
+
+    probe = remat.Remat(model, x, 0.7, measure_loss=False, time_limit=5)
+    step_of(probe)()
+    step_of(probe)()  # plans for the loss estimated over the head the first step differentiated
+    smallest = probe.min_budget
+    shrunk = (smallest + probe.min_budget_without_loss) // 2
+    rm = remat.Remat(model, x, shrunk, measure_loss=False, time_limit=5)
+    assert rm.outside.loss_bytes < probe.outside.loss_bytes  # made smaller to fit the budget
+    step_of(rm)()
+    with pytest.raises(remat.InfeasibleBudget, match="estimated") as exc:
+        step_of(rm)()
+    assert exc.value.min_budget == smallest
+    rm = remat.Remat(model, x, smallest, measure_loss=False, time_limit=5)
+    for _ in range(2):
+        step_of(rm)()
+    assert rm.outside == probe.outside
+    measured = remat.measure_step(step_of(rm), keep).peak_bytes
+    assert measured <= smallest, (measured, smallest)
+
+
+def test_a_head_no_loss_reads_is_not_differentiated_and_a_loss_that_reads_it_later_raises() -> None:
+    """The gradients of a head no loss reads would be computed from zeros and dropped: the plan
+    does not compute them, so the step keeps its smallest budget. A later loss that reads the
+    head gets an error, not parameters silently left without their gradient."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(64, 128)
+
+    def step_of(head: int):
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            rm(x)[head].pow(2).mean().backward()
+
+        return step
+
+    rm = remat.Remat(model, x, 1.0, time_limit=5)
+    for _ in range(2):
+        step_of(0)()
+    rm.set_budget(rm.min_budget)
+    step_of(0)()
+    measured = remat.measure_step(step_of(0), [*model.parameters(), x]).peak_bytes
+    assert measured <= rm.budget, (measured, rm.budget)
+    assert model.side.weight.grad is None
+    with pytest.raises(remat.RematError, match="differentiates output"):
+        step_of(1)()

@@ -2,7 +2,10 @@
 
 Each graph Dynamo captures becomes a ``Remat`` of its ``GraphModule`` (parameters arrive as
 its inputs), planned at its first training call and run through Inductor. The loss outside the
-graphs cannot be measured from compiled frames: each plan keeps room for the estimated loss.
+graphs cannot be measured from compiled frames: the last graph of a step keeps room for the
+estimated loss over the outputs the first step differentiated, and a budget without that room
+raises ``InfeasibleBudget`` from the second step on (the first plan makes the room as small as the
+budget needs, as it does not know those outputs yet).
 
 With graph breaks a step runs several graphs, one after the other, and each holds its outputs
 and saved activations until its backward. A graph's share of a budget in bytes is the budget
@@ -99,18 +102,31 @@ class Graph:
 
     @property
     def smallest(self) -> int:
-        """The smallest budget the graph can be planned at (no room for a loss), 0 before planning."""
-        return 0 if self.remat is None else self.remat.min_budget_without_loss
+        """The smallest budget the graph can be planned at, 0 before planning: once a step has run,
+        with room for the estimated loss in the last graph of the step and none in the others;
+        before, without room for a loss or any output's gradient."""
+        if self.remat is None:
+            return 0
+        last = self.owner._last
+        if not last:
+            return self.remat.min_budget_without_loss
+        return self.remat._min_budget_estimated(loss=self is last[-1])
 
     def __call__(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.gm(*args)
         share = self.owner.share(self)
+        last = self.owner._last
+        if self.remat is not None and last is not None:
+            self.remat._loss_after = self is last[-1]
         if self.remat is None:
             self._plan(args, share)
         elif share != self._asked:
             self._replan(share)
-        return self.remat(*args)
+        try:
+            return self.remat(*args)  # plans again where the first step told the outputs' gradients
+        except InfeasibleBudget as exc:
+            raise self._infeasible(exc) from None
 
     def _plan(self, args: tuple, share: int | float | None) -> None:
         o = self.owner
@@ -148,7 +164,8 @@ class Graph:
         """The budget is too small for the step's graphs together (a byte budget: a fraction of
         each graph's own peak fits whenever each graph's does)."""
         o = self.owner
-        if not isinstance(o.budget, int):
-            return exc
         graphs = o._last or []
-        return InfeasibleBudget(o.budget, sum(g.smallest for g in graphs), graphs=len(graphs))
+        if not isinstance(o.budget, int) or len(graphs) < 2:
+            return exc
+        needs = sum(exc.min_budget if g is self else g.smallest for g in graphs)
+        return InfeasibleBudget(o.budget, needs, graphs=len(graphs))

@@ -10,7 +10,8 @@ backward phase starts.
 Outputs that no loss differentiates (the logits of a model that computes its loss inside) get no
 gradient. The plan then counts no gradient for them for the whole backward: a node of the
 backward phase makes the zeros their backward reads, where it first reads them, and the zeros
-die after their last use.
+die after their last use. A gradient computed from theirs alone (a head no loss reads) is not
+computed: autograd gives its input none.
 
 Outputs the user no longer holds when the backward starts (``model(x).loss.backward()`` drops the
 logits once the loss is read) are *released*: the plan keeps them to the loss room, which reads
@@ -126,11 +127,14 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     """``base`` with the loss room, with zeros for the gradients of ``outside.no_grad``, and with
     ``outside.released`` as outputs of kind ``"released"`` (returned by the forward phase, not
     kept by the plan); the profile of ``base`` carries over (the new nodes take no measurable time)."""
-    captured, new_values = _copy_with_outside(base, outside)
+    captured, new_values, uncomputed = _copy_with_outside(base, outside)
     g = build_graph(captured, base.name)
+    g.gradients_not_computed_from = uncomputed
     copy_profile(base, g)
     ids = {v.name: v.id for v in g.values}
-    replaced = {ids[name]: ids[zeros] for name, (kind, zeros) in new_values.items() if kind == "tangent"}
+    replaced = {  # a zeros node is gone where only dropped gradients read it
+        ids[name]: ids[zeros] for name, (kind, zeros) in new_values.items() if kind == "tangent" and zeros in ids
+    }
     for v in g.values:
         if v.alias_of in replaced:  # a view of a gradient now made by its zeros node
             v.alias_of = replaced[v.alias_of]
@@ -150,9 +154,12 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     return g
 
 
-def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, dict[str, tuple[str, Any]]]:
-    """A copy of ``base``'s FX graph with the new nodes; their names -> (kind, bytes), and each
-    replaced tangent's name -> ("tangent", its zeros node's name)."""
+def _copy_with_outside(
+    base: JointGraph, outside: Outside
+) -> tuple[Captured, dict[str, tuple[str, Any]], frozenset[int]]:
+    """A copy of ``base``'s FX graph with the new nodes, without the gradients computed only from
+    those of ``outside.no_grad``; the new nodes' names -> (kind, bytes), each replaced tangent's
+    name -> ("tangent", its zeros node's name); the outputs those gradients were computed from."""
     c = base.captured
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -195,10 +202,40 @@ def _copy_with_outside(base: JointGraph, outside: Outside) -> tuple[Captured, di
             room = graph.call_function(loss_room, args)
         room.meta = {"val": args[0].meta["val"], "partitioner_tag": "is_forward"}
         new_values[room.name] = ("loss", outside.loss_bytes)
-    gm = fx.GraphModule(c.gm, graph)
     outputs = [None if o is None else env[o] for o in c.outputs]
+    uncomputed = _drop_gradients_of_no_grad(graph, placeholders, c, outputs, outside.no_grad)
+    gm = fx.GraphModule(c.gm, graph)
     copied = Captured(gm, placeholders, c.bindings, outputs, c.output_bindings, c.out_spec, c.in_spec, c.const_leaves)
-    return copied, new_values
+    return copied, new_values, uncomputed
+
+
+def _drop_gradients_of_no_grad(
+    graph: fx.Graph, placeholders: list[fx.Node], c: Captured, outputs: list[fx.Node | None], no_grad: frozenset[int]
+) -> frozenset[int]:
+    """Sets to ``None`` the gradients in ``outputs`` computed only from gradients of ``no_grad``
+    outputs (zeros: autograd gives such an input no gradient) and removes the nodes only they
+    read; returns the outputs whose gradients they were computed from."""
+    tangent_of = {ph: b.target for ph, b in zip(placeholders, c.bindings) if b.kind == "tangent"}
+    if not no_grad or set(tangent_of.values()) <= no_grad:
+        # Where no output would get a gradient, autograd runs no backward: that is the first
+        # plan's assumption of a loss inside the model, which the first step checks.
+        return frozenset()
+    reads: dict[fx.Node, frozenset[int]] = {}  # node -> the output gradients it is computed from
+    for n in graph.nodes:
+        own = frozenset((tangent_of[n],)) if n in tangent_of else frozenset()
+        reads[n] = own.union(*(reads[a] for a in n.all_input_nodes))
+    uncomputed: frozenset[int] = frozenset()
+    for i, (o, b) in enumerate(zip(outputs, c.output_bindings)):
+        if b.kind == "grad" and o is not None and reads[o] and reads[o] <= no_grad:
+            outputs[i] = None
+            uncomputed |= reads[o]
+    if uncomputed:
+        output = next(n for n in graph.nodes if n.op == "output")
+        output.args = (type(output.args[0])(outputs),)
+        for n in reversed(list(graph.nodes)):  # the backward's nodes no gradient reads any more
+            if n.op == "call_function" and reads[n] and not n.users:
+                graph.erase_node(n)
+    return uncomputed
 
 
 def copy_profile(src: JointGraph, dst: JointGraph, tangents: bool = True) -> None:

@@ -22,7 +22,14 @@ class SolverError(RematError):
 class InfeasibleBudget(RematError):
     """The memory budget is below the smallest budget any schedule can keep."""
 
-    def __init__(self, budget: int, min_budget: int, loss_bytes: int | None = None, graphs: int | None = None) -> None:
+    def __init__(
+        self,
+        budget: int,
+        min_budget: int,
+        loss_bytes: int | None = None,
+        graphs: int | None = None,
+        estimated: bool = False,
+    ) -> None:
         self.budget = int(budget)
         self.min_budget = int(min_budget)
         if graphs is not None:
@@ -33,13 +40,19 @@ class InfeasibleBudget(RematError):
                 f"budget >= {self.min_budget}, or remove the graph breaks"
             )
         else:
-            what = "model and sample"
-            if loss_bytes is not None:
+            what, fix = "model and sample", ""
+            if loss_bytes is not None and estimated:
+                what = (
+                    f"model, sample and loss ({loss_bytes} bytes, estimated: four tensors of the size of "
+                    "each output given a gradient)"
+                )
+                fix = "; or call remat.Remat uncompiled with measure_loss=True, which measures the loss"
+            elif loss_bytes is not None:
                 what = f"model, sample and loss ({loss_bytes} bytes, measured)"
             message = (
                 f"budget of {self.budget} bytes is infeasible: the smallest feasible budget for this "
                 f"{what} is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
-                f"pass budget >= {self.min_budget}"
+                f"pass budget >= {self.min_budget}{fix}"
             )
         super().__init__(message)
 

@@ -55,6 +55,9 @@ class JointGraph:
     # phase but not kept by the plan (``boundary``), so the planners do not see it as an output
     outputs: list[tuple[int, str]] = field(default_factory=list)
     value_of: dict[fx.Node, int] = field(default_factory=dict)  # FX node (or getitem) -> value
+    # Outputs planned without gradient from whose gradients alone some input's gradient would be
+    # computed: the graph does not compute it (``boundary``), so a gradient for them cannot be used.
+    gradients_not_computed_from: frozenset[int] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -124,6 +124,10 @@ class Remat(nn.Module):
         self.max_plans = max_plans
         self.plan_dir = plan_dir
         self.measure_loss = measure_loss
+        # Whether the step's loss runs between this module's forward and backward where no step
+        # measures it: not for a graph of a compiled model that other graphs follow (their shares
+        # of the budget hold what runs after it; ``remat.backend``).
+        self._loss_after = True
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._current: _Planned | None = None
         _check_device(model, *_as_call(sample))
@@ -193,7 +197,7 @@ class Remat(nn.Module):
         check_budget(budget)
         if self.solver == "none" or budget == self._budget_arg:
             return
-        plans = {key: _plan_again(p, budget, self._options) for key, p in self._plans.items()}
+        plans = {key: _plan_again(p, budget, self._options, self._loss_after) for key, p in self._plans.items()}
         self._budget_arg = budget
         for key, plan in plans.items():
             planned = self._plans[key]
@@ -239,6 +243,13 @@ class Remat(nn.Module):
         gradient or stays held (where the first plan falls back to when nothing else fits)."""
         return None if self._current is None else _min_without_loss(self._current.base)
 
+    def _min_budget_estimated(self, loss: bool) -> int:
+        """The smallest budget with room for the loss estimated over the outputs the first step
+        differentiated (all, before a step has told them); without ``loss``, with none."""
+        assert self._current is not None
+        base, no_grad = self._current.base, self._current.measure.no_grad
+        return _min_with(base, _estimated(base, no_grad, loss))
+
     @property
     def held_bytes(self) -> int | None:
         """Predicted activation bytes the step holds between its forward and backward phases (the
@@ -275,9 +286,12 @@ class Remat(nn.Module):
         (where the loss is not measured: a compiled caller, ``measure_loss=False``)."""
         measure = planned.measure
         measure.no_grad_planned = True
-        if self._budget_arg is None or measure.no_grad == planned.plan.outside.no_grad:
+        estimate = _estimated(planned.base, measure.no_grad, self._loss_after)
+        if self._budget_arg is None or planned.plan.outside == estimate:
             return
-        plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, measure.no_grad)
+        plan = _first_plan(
+            planned.base, self._budget_arg, self._options, planned.inputs, measure.no_grad, self._loss_after
+        )
         planned.adopt(plan, self._options)
         log.info("planned again for the loss estimated without the %d outputs given no gradient", len(measure.no_grad))
 
@@ -548,16 +562,24 @@ def _first_plan(
     budget: int | float,
     options: _Options,
     inputs: PlanInputs | None = None,
-    no_grad: frozenset[int] = frozenset(),
+    no_grad: frozenset[int] | None = None,
+    loss: bool = True,
 ) -> _Plan:
-    """The plan before a step has measured the loss: room for the estimated loss (of the outputs
-    but ``no_grad``), or for as much of it as the budget allows; where even none fits, the plan
-    assumes no output gets a gradient or stays held (the loss is inside the model), which the first
-    step checks. A fraction is of the plain step's peak with the estimated loss. ``inputs``: to fit
-    compiled phases with."""
-    estimate = estimated_outside(base, no_grad)
+    """The plan before a step has measured the loss: room for the estimated loss, or for as much of
+    it as the budget allows; where even none fits, the plan assumes no output gets a gradient or
+    stays held (the loss is inside the model), which the first step checks. ``no_grad``: the
+    outputs a step gave no gradient where no step measures the loss; the estimate over the others
+    is then all remat knows of the loss, and a budget without room for it raises
+    ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of the
+    plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
+    estimate = _estimated(base, no_grad, loss)
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
         budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
+    if no_grad is not None:
+        try:
+            return _make_plan(base, estimate, budget, options, inputs)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(exc.budget, exc.min_budget, estimate.loss_bytes, estimated=True) from None
     if not _fits(base, estimate, budget):
         if _fits(base, replace(estimate, loss_bytes=0), budget):
             fits, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
@@ -585,16 +607,28 @@ def _profiling_plan(base: JointGraph, budget: int | float, options: _Options) ->
         return _first_plan(base, exc.min_budget, options)
 
 
-def _plan_again(planned: _Planned, budget: int | float | None, options: _Options) -> _Plan:
+def _plan_again(planned: _Planned, budget: int | float | None, options: _Options, loss: bool) -> _Plan:
     """``planned`` for another budget: for its measured loss, or as before a step measured it."""
     if planned.measure.measured:
         return _make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
-    return _first_plan(planned.base, budget, options, planned.inputs, planned.measure.no_grad or frozenset())
+    return _first_plan(planned.base, budget, options, planned.inputs, planned.measure.no_grad, loss)
+
+
+def _estimated(base: JointGraph, no_grad: frozenset[int] | None, loss: bool) -> Outside:
+    """The estimated loss room over the outputs but ``no_grad``; none without ``loss``."""
+    if not loss:
+        return Outside(0, 0, no_grad or frozenset())
+    return estimated_outside(base, no_grad or frozenset())
 
 
 def _min_without_loss(base: JointGraph) -> int:
     no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
-    g = with_outside(base, Outside(0, 0, no_grad, released))
+    return _min_with(base, Outside(0, 0, no_grad, released))
+
+
+def _min_with(base: JointGraph, outside: Outside) -> int:
+    """The smallest budget of ``base`` with ``outside``."""
+    g = with_outside(base, outside)
     return _core.budget_range(g.to_json())[0] + _reserve(g, None, _buffers_to_copy(g))
 
 
@@ -843,8 +877,16 @@ class _Step(torch.autograd.Function):
             ctx.window = None
         elif plan.measure is not None:
             plan.measure.learn_outputs(grad_outputs)
-        tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
         got = frozenset(i for i, grad in enumerate(grad_outputs) if grad is not None)
+        if got & g.gradients_not_computed_from:
+            outputs = ", ".join(map(str, sorted(got & g.gradients_not_computed_from)))
+            raise RematError(
+                f"remat: this step's loss differentiates output(s) {outputs} of the model, which the step remat "
+                "learned the loss from (the first training step) did not: the plan computes no gradient from them. "
+                "Differentiate every output this model's losses use on the first step, or wrap the model in "
+                "another remat.Remat for this loss"
+            )
+        tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
         args += ctx.saved
         ctx.saved = None
