@@ -145,7 +145,7 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
                 let schedule =
                     rockmate::plan_blocks(graph, &sg, &fine, budget, &hierarchy_options)?;
                 if let Some(s) =
-                    schedule.filter(|s| best.as_ref().is_none_or(|(b, _)| time(s) < time(b)))
+                    schedule.filter(|s| best.as_ref().is_none_or(|(b, _)| better(s, b)))
                 {
                     best = Some((s, fine.status));
                 }
@@ -168,7 +168,7 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
         None => checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?,
     };
     match solved {
-        Some((schedule, status)) if time(&schedule) <= time(&heuristic) => {
+        Some((schedule, status)) if !better(&heuristic, &schedule) => {
             Ok(with_info(schedule, info(status)))
         }
         _ => Ok(with_info(heuristic, info(SolverStatus::Fallback))),
@@ -345,8 +345,12 @@ fn simulated(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<Schedu
     Ok(schedule)
 }
 
-fn time(schedule: &Schedule) -> f64 {
-    schedule.predicted.map_or(f64::INFINITY, |r| r.time)
+/// Whether simulated `a` is better than simulated `b` ([`crate::simulate::Report::better_than`]).
+fn better(a: &Schedule, b: &Schedule) -> bool {
+    match (a.predicted, b.predicted) {
+        (Some(a), Some(b)) => a.better_than(&b),
+        (a, _) => a.is_some(),
+    }
 }
 
 fn peak(schedule: &Schedule) -> u64 {

@@ -555,7 +555,10 @@ fn polish_all(
     let mut best: Option<Composed> = None;
     for composed in fitting {
         let polished = polish(graph, sg, hierarchy, budget, composed)?;
-        if best.as_ref().is_none_or(|b| polished.time() < b.time()) {
+        if best
+            .as_ref()
+            .is_none_or(|b| polished.report().better_than(&b.report()))
+        {
             best = Some(polished);
         }
     }
@@ -613,7 +616,9 @@ fn polish(
                     continue;
                 }
                 let composed = hierarchy.compose(graph, sg, ops, report)?;
-                if composed.report().peak_bytes <= budget && composed.time() < best.time() {
+                if composed.report().peak_bytes <= budget
+                    && composed.report().better_than(&best.report())
+                {
                     best = composed;
                     improved = true;
                 }

@@ -26,6 +26,20 @@ pub struct Report {
     pub recomputed_time: f64,
 }
 
+impl Report {
+    /// Whether this schedule is better than `other`'s: faster, or as fast (to a relative 1e-9,
+    /// the rounding of sums of the same times) with a lower peak. Among plans of equal time, the
+    /// lower peak is then chosen wherever both are found, not the one found first.
+    pub fn better_than(&self, other: &Report) -> bool {
+        let tolerance = 1e-9 * self.time.abs().max(other.time.abs());
+        if (self.time - other.time).abs() <= tolerance {
+            self.peak_bytes < other.peak_bytes
+        } else {
+            self.time < other.time
+        }
+    }
+}
+
 /// Replays `schedule` on `graph`; an invalid op is an [`Error::Schedule`] naming the op and why.
 pub fn simulate(graph: &Graph, schedule: &Schedule) -> Result<Report> {
     let mut state = State::new(graph);
