@@ -7,6 +7,8 @@
 //! [`Schedule`]) → [`simulate`] (check and measure). [`plan()`] ties them together; `python.rs`
 //! exposes it as `remat._core`.
 //!
+//! [`stages::stages`] gives the simplified graph, the blocks and their classes for display.
+//!
 //! Sequential models (rotor's `Checkpointable`): a [`chain::Chain`] of measured blocks →
 //! [`dp`] (rotor's persistent DP over blocks with options) → a [`chain::ChainSequence`] replayed
 //! by [`chain::Chain::simulate`].
@@ -26,6 +28,7 @@ pub mod rockmate;
 pub mod schedule;
 pub mod simplify;
 pub mod simulate;
+pub mod stages;
 
 #[cfg(feature = "python")]
 mod python;

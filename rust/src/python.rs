@@ -32,6 +32,33 @@ fn py_plan(
     .map_err(|e| to_py_err(py, e))
 }
 
+/// `stages(graph_json, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
+/// simplified graph, the blocks and their classes with their options, as JSON.
+#[pyfunction]
+#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::dp::DEFAULT_SLOTS))]
+fn py_stages(
+    py: Python<'_>,
+    graph_json: String,
+    solver: &str,
+    time_limit: f64,
+    mip_gap: f64,
+    slots: usize,
+) -> PyResult<String> {
+    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
+    let options = PlanOptions {
+        solver,
+        time_limit,
+        mip_gap,
+        slots,
+    };
+    py.detach(|| {
+        let graph = Graph::from_json(&graph_json)?;
+        let stages = crate::stages::stages(&graph, &options)?;
+        Ok(serde_json::to_string(&stages).expect("stages always serialize"))
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
 /// `simulate(graph_json, schedule_json) -> str`: the report JSON.
 #[pyfunction]
 #[pyo3(name = "simulate")]
@@ -97,6 +124,7 @@ fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(py_stages, m)?)?;
     m.add_function(wrap_pyfunction!(py_budget_range, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_limits, m)?)?;
