@@ -15,6 +15,7 @@ from .errors import (
     ScheduleError,
     SolverError,
 )
+from .graphs import Graphs, graphs, render
 from .memory import StepMemory, cuda_peak, measure_step, rss_peak
 from .module import Remat
 
@@ -24,6 +25,7 @@ __all__ = [
     "Checkpointable",
     "DeviceMismatch",
     "GraphError",
+    "Graphs",
     "InfeasibleBudget",
     "InfeasibleMemLimit",
     "InputMismatch",
@@ -37,6 +39,8 @@ __all__ = [
     "StepMemory",
     "backend",
     "cuda_peak",
+    "graphs",
     "measure_step",
+    "render",
     "rss_peak",
 ]

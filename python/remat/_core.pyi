@@ -25,6 +25,19 @@ def simulate(graph_json: str, schedule_json: str) -> str:
     forward_end_bytes, backward_start_bytes, time and recomputed_time.
     Raises remat.ScheduleError if the schedule is invalid."""
 
+def stages(
+    graph_json: str,
+    solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
+    time_limit: float = 30.0,
+    mip_gap: float = 0.01,
+    slots: int = 500,
+) -> str:
+    """The planner's stages as JSON (``remat.graphs``): ``groups`` of the simplified graph (member
+    and allocating node ids, phase, time, temp_bytes, input and output storages), ``storages``
+    (owner value, bytes, producing group), ``blocks`` (forward and backward groups, class) and
+    ``classes`` (anonymized key, blocks, search status, options with their times, saved bytes and
+    peaks). Raises remat.GraphError on a malformed graph."""
+
 def budget_range(graph_json: str) -> tuple[int, int]:
     """(smallest feasible budget, plain PyTorch's peak) in bytes."""
 

@@ -36,6 +36,7 @@ from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileErr
 from .executor import Phases, build_phases, device_of, rng_state_bytes
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
+from .graphs import Graphs
 from .memory import profiler_running
 from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
@@ -249,6 +250,15 @@ class Remat(nn.Module):
         assert self._current is not None
         base, no_grad = self._current.base, self._current.measure.no_grad
         return _min_with(base, _estimated(base, no_grad, loss))
+
+    @property
+    def graphs(self) -> Graphs | None:
+        """Every stage the current plan was made from, to print and draw (``remat.graphs``)."""
+        p = self._plan
+        if p is None:
+            return None
+        budget = None if self._budget_arg is None else p.budget
+        return Graphs.of(p.graph, p.graph_json, p.schedule, budget, self._options)
 
     @property
     def held_bytes(self) -> int | None:

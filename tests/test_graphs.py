@@ -1,0 +1,84 @@
+"""``remat.graphs``: every stage the planner used, printed and drawn with Graphviz; the pictures
+parse and hold a node per op, group, block and class, with a cluster per block."""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import remat
+import torch
+from models import gpt2
+from torch import nn
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _resnet() -> tuple[nn.Module, torch.Tensor]:
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10).train(), torch.randn(2, 3, 32, 32)
+
+
+def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64)
+    return model.train(), (torch.randn(12, 2, 32), torch.randn(10, 2, 32))
+
+
+def _svg_counts(path: Path) -> tuple[int, int]:
+    """Nodes and clusters of a Graphviz SVG (it parses as XML)."""
+    root = ET.parse(path).getroot()
+    classes = [g.get("class") for g in root.iter(f"{SVG}g")]
+    return classes.count("node"), classes.count("cluster")
+
+
+@pytest.mark.parametrize("make", [gpt2, _resnet, _transformer], ids=["gpt2", "resnet18", "transformer"])
+def test_every_stage_prints_and_draws(make, tmp_path: Path) -> None:
+    model, sample = make()
+    g = remat.graphs(model, sample, time_limit=5)
+    text = str(g)
+    for title in ("joint graph", "simplified graph", "blocks", "classes", "schedule"):
+        assert title in text
+    files = remat.render(g, tmp_path / "model", "svg", ops=True)
+    assert [f.name for f in files] == [
+        f"model-{s}.svg" for s in ("simplified", "blocks", "classes", "joint", "schedule")
+    ]
+    counts = {f.stem.split("-")[1]: _svg_counts(f) for f in files}
+    groups, blocks = len(g.simplified.groups), len(g.blocks)
+    assert counts["simplified"] == (groups, blocks)
+    assert counts["blocks"] == (blocks, 0)
+    assert counts["classes"] == (len(g.classes), 0)
+    assert counts["joint"] == (len(g.joint.ops), 0)
+    assert counts["schedule"] == (len(g.joint.ops), 0)
+    assert groups < len(g.joint.ops)  # views folded, chains fused
+    # every group in one block; the blocks of a class share a color
+    assert sorted(g.simplified.block_of) == list(range(groups))
+    assert sum(len(c["blocks"]) for c in g.classes.classes) == blocks
+    png = g.blocks.render(tmp_path / "ops.png", ops=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_blocks_of_a_class_share_a_color_and_a_plan_marks_its_recomputations(tmp_path: Path) -> None:
+    model, tokens = gpt2(layers=3)
+    rm = remat.Remat(model, tokens, 0.4, time_limit=5)
+    g = rm.graphs
+    layers = [c for c in g.classes.classes if len(c["blocks"]) == 3]
+    assert layers, "the three transformer layers form one class"
+    dot = g.simplified.dot()
+    colors = {dot.split(f"subgraph cluster_{b} ")[1].split("fillcolor=")[1].split(";")[0] for b in layers[0]["blocks"]}
+    assert len(colors) == 1
+    assert "recomputing" in str(g.schedule) and " 0 recomputations" not in str(g.schedule)
+    assert "penwidth=3" in g.schedule.dot()
+
+
+def test_without_dot_the_error_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    model, x = gpt2()
+    g = remat.graphs(model, x, time_limit=5)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no dot here
+    with pytest.raises(remat.RematError, match="apt-get install graphviz"):
+        g.blocks.render(tmp_path / "blocks.svg")
+    assert not os.path.exists(tmp_path / "blocks.svg")
