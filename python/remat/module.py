@@ -253,7 +253,8 @@ class Remat(nn.Module):
 
     @property
     def graphs(self) -> Graphs | None:
-        """Every stage the current plan was made from, to print and draw (``remat.graphs``)."""
+        """Every stage the current plan was made from, to print and draw (``remat.graphs``); built
+        at each access (the blocks' option search runs again, as when planning)."""
         p = self._plan
         if p is None:
             return None

@@ -18,13 +18,7 @@ fn py_plan(
     mip_gap: f64,
     slots: usize,
 ) -> PyResult<String> {
-    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
-    let options = PlanOptions {
-        solver,
-        time_limit,
-        mip_gap,
-        slots,
-    };
+    let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
     py.detach(|| {
         let graph = Graph::from_json(&graph_json)?;
         crate::plan(&graph, budget, &options).map(|s| s.to_json())
@@ -44,13 +38,7 @@ fn py_stages(
     mip_gap: f64,
     slots: usize,
 ) -> PyResult<String> {
-    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
-    let options = PlanOptions {
-        solver,
-        time_limit,
-        mip_gap,
-        slots,
-    };
+    let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
     py.detach(|| {
         let graph = Graph::from_json(&graph_json)?;
         let stages = crate::stages::stages(&graph, &options)?;
@@ -102,6 +90,23 @@ fn py_chain_plan(
 fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult<(u64, u64)> {
     py.detach(|| crate::dp::limits(&Chain::from_json(&chain_json)?, slots))
         .map_err(|e| to_py_err(py, e))
+}
+
+/// The solver settings of `plan` and `stages`.
+fn plan_options(
+    py: Python<'_>,
+    solver: &str,
+    time_limit: f64,
+    mip_gap: f64,
+    slots: usize,
+) -> PyResult<PlanOptions> {
+    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
+    Ok(PlanOptions {
+        solver,
+        time_limit,
+        mip_gap,
+        slots,
+    })
 }
 
 /// The `remat.errors` exception for `err` (`ValueError` if that module cannot be imported).
