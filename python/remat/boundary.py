@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,10 +221,7 @@ def _drop_gradients_of_no_grad(
         # Where no output would get a gradient, autograd runs no backward: that is the first
         # plan's assumption of a loss inside the model, which the first step checks.
         return frozenset()
-    reads: dict[fx.Node, frozenset[int]] = {}  # node -> the output gradients it is computed from
-    for n in graph.nodes:
-        own = frozenset((tangent_of[n],)) if n in tangent_of else frozenset()
-        reads[n] = own.union(*(reads[a] for a in n.all_input_nodes))
+    reads = gradient_sources(graph.nodes, tangent_of)
     uncomputed: frozenset[int] = frozenset()
     for i, (o, b) in enumerate(zip(outputs, c.output_bindings)):
         if b.kind == "grad" and o is not None and reads[o] and reads[o] <= no_grad:
@@ -236,6 +234,16 @@ def _drop_gradients_of_no_grad(
             if n.op == "call_function" and reads[n] and not n.users:
                 graph.erase_node(n)
     return uncomputed
+
+
+def gradient_sources(nodes: Iterable[fx.Node], tangent_of: dict[fx.Node, int]) -> dict[fx.Node, frozenset[int]]:
+    """Each of ``nodes`` (in graph order) -> the indices of the outputs whose gradients it is
+    computed from; ``tangent_of``: each tangent placeholder -> its output's index."""
+    reads: dict[fx.Node, frozenset[int]] = {}
+    for n in nodes:
+        own = frozenset((tangent_of[n],)) if n in tangent_of else frozenset()
+        reads[n] = own.union(*(reads[a] for a in n.all_input_nodes))
+    return reads
 
 
 def copy_profile(src: JointGraph, dst: JointGraph, tangents: bool = True) -> None:

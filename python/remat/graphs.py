@@ -117,9 +117,11 @@ class JointStage(Stage):
             f"{_mib(sum(o.bytes for o in self.ops))} made, {_ms(sum(o.time for o in self.ops))}; most time: {top}"
         )
 
-    def dot(self, clusters: dict[int, int] | None = None) -> str:
-        """Every op; ``clusters``: op id -> block, drawn as clusters."""
-        lines = _header(self.title)
+    def dot(self, clusters: dict[int, int] | None = None, marks: dict[int, str] | None = None, title: str = "") -> str:
+        """Every op; ``clusters``: op id -> block, drawn as clusters; ``marks``: op id -> more
+        Graphviz attributes of its node."""
+        lines = _header(title or self.title)
+        marks = marks or {}
         by_block: dict[int | None, list[Op]] = {}
         for o in self.ops:
             by_block.setdefault(None if clusters is None else clusters.get(o.id), []).append(o)
@@ -128,7 +130,7 @@ class JointStage(Stage):
                 lines.append(f'subgraph cluster_{block} {{ label="block {block}";')
             for o in ops:
                 label = f"{o.op}\\n{o.shape}\\n{_mib(o.bytes)}, {_ms(o.time)}"
-                lines.append(f'n{o.id} [label="{label}", fillcolor="{PHASE_COLORS[o.phase]}"];')
+                lines.append(f'n{o.id} [label="{label}", fillcolor="{PHASE_COLORS[o.phase]}"{marks.get(o.id, "")}];')
             if block is not None:
                 lines.append("}")
         lines += [f"n{a} -> n{o.id};" for o in self.ops for a in o.inputs]
@@ -304,12 +306,8 @@ class ScheduleStage(Stage):
     def dot(self) -> str:
         """The joint graph with the recomputed ops marked (thick red border) and their run counts."""
         runs = _runs(self.schedule)
-        lines = _header(self.title)
-        for o in self.joint.ops:
-            extra = f', color="#d62728", penwidth=3, xlabel="x{runs[o.id]}"' if runs[o.id] > 1 else ""
-            lines.append(f'n{o.id} [label="{o.op}\\n{_ms(o.time)}", fillcolor="{PHASE_COLORS[o.phase]}"{extra}];')
-        lines += [f"n{a} -> n{o.id};" for o in self.joint.ops for a in o.inputs]
-        return "\n".join([*lines, "}"])
+        marks = {n: f', color="#d62728", penwidth=3, xlabel="x{k}"' for n, k in runs.items() if k > 1}
+        return self.joint.dot(marks=marks, title=self.title)
 
 
 @dataclass

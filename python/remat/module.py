@@ -26,6 +26,7 @@ from .boundary import (
     differentiable_outputs,
     estimated_outside,
     forward_outputs,
+    gradient_sources,
     output_bytes,
     remove_closed_windows,
     tangent_or_zeros,
@@ -968,12 +969,7 @@ def _input_grads(g: JointGraph) -> list[tuple[int, int, frozenset[int]]]:
     param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
     input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
     tangent_of = {ph: b.target for ph, b in zip(c.placeholders, c.bindings) if b.kind == "tangent"}
-    reads: dict[Any, frozenset[int]] = {}  # FX node -> the output gradients it is computed from
-    for n in c.gm.graph.nodes:
-        if n in tangent_of:
-            reads[n] = frozenset((tangent_of[n],))
-        else:
-            reads[n] = frozenset().union(*(reads[a] for a in n.all_input_nodes))
+    reads = gradient_sources(c.gm.graph.nodes, tangent_of)
     return [
         (param_vid[b.target] if b.grad_of == "param" else input_vid[b.target], g.value_of[o], reads[o])
         for o, b in zip(c.outputs, c.output_bindings)

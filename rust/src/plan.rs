@@ -312,7 +312,8 @@ pub fn min_memory(graph: &Graph) -> Result<Schedule> {
     simulated(graph, &sg, &baseline::min_memory(&sg))
 }
 
-fn check_options(options: &PlanOptions) -> Result<()> {
+/// Checks the settings' values, with what is allowed in the message.
+pub(crate) fn check_options(options: &PlanOptions) -> Result<()> {
     let PlanOptions {
         time_limit,
         mip_gap,
