@@ -74,18 +74,20 @@ for budget in {budgets}:
             model.zero_grad(set_to_none=True)
             rm(tokens).logits.pow(2).mean().backward()
         step(); step()  # compiles; plans again for the measured loss
-        # the lower of two steps: once in a while a step's resident set grows by a few MB more
-        row += [rm.budget, min(remat.rss_peak(step) for _ in range(2))]
+        # the lowest of three steps, and their spread: a step's resident set at times grows by a few MB more
+        peaks = [remat.rss_peak(step) for _ in range(3)]
+        row += [rm.budget, min(peaks), max(peaks) - min(peaks)]
     rows.append(row)
 print(json.dumps(rows))
 """
 
 
 @pytest.fixture(scope="module")
-def rss_rows() -> list[tuple[int, int, int, int, int]]:
-    """Per budget: (gradient bytes, budget, compiled peak RSS, budget, eager executor's peak RSS),
-    each the lower of the third and fourth steps', measured in a fresh process that returns freed
-    tensors to the system."""
+def rss_rows() -> list[tuple[int, int, int, int, int, int, int]]:
+    """Per budget: (gradient bytes, budget, compiled peak RSS, its spread, budget, eager executor's
+    peak RSS, its spread), each peak the lowest of the third to fifth steps' and the spread how far
+    their highest lies above it, measured in a fresh process that returns freed tensors to the
+    system."""
     if not sys.platform.startswith("linux"):
         pytest.skip("peak RSS is read from /proc")
     code = _MEASURE.format(tests=os.path.dirname(__file__), budgets=[0.8, 0.6, 0.45, 0.38])
@@ -93,25 +95,30 @@ def rss_rows() -> list[tuple[int, int, int, int, int]]:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    print("\ngradients, budget, compiled peak RSS, budget, eager executor's peak RSS:", *rows, sep="\n")
+    print("\ngradients, budget, compiled peak RSS, spread, budget, eager executor's peak RSS, spread:", *rows, sep="\n")
     return rows
 
 
-SLACK = 2**20  # the C heap's small blocks (under 64 KiB) stay in the resident set once touched
+# The C heap's small blocks (under 64 KiB) stay in the resident set once touched; beyond this, two
+# peaks are compared within the spread their repeated steps measured.
+SLACK = 2**20
 
 
 def test_compiled_step_holds_no_more_than_the_eager_executor_and_falls_with_the_budget(rss_rows):
     """Inductor's buffers, fusions and RNG operators add nothing to what the planned step holds,
     and a lower budget never measures a higher peak."""
-    for _, budget, compiled, eager_budget, eager in rss_rows:
+    for _, budget, compiled, spread, eager_budget, eager, eager_spread in rss_rows:
         assert budget == eager_budget
-        assert compiled <= eager + SLACK, f"compiled {compiled} over eager {eager} at budget {budget}: {rss_rows}"
+        slack = max(SLACK, spread, eager_spread)
+        assert compiled <= eager + slack, f"compiled {compiled} over eager {eager} at budget {budget}: {rss_rows}"
     for higher, lower in zip(rss_rows, rss_rows[1:]):
-        assert lower[2] <= higher[2] + SLACK, f"a lower budget measured a higher peak: {rss_rows}"
+        assert lower[2] <= higher[2] + max(SLACK, higher[3], lower[3]), (
+            f"a lower budget measured a higher peak: {rss_rows}"
+        )
 
 
 def test_compiled_step_peak_rss_is_under_the_budget(rss_rows):
-    for grads, budget, compiled, _, _ in rss_rows:
+    for grads, budget, compiled, *_ in rss_rows:
         assert compiled - grads <= budget, f"peak RSS {compiled} less gradients {grads} over {budget}: {rss_rows}"
 
 

@@ -89,3 +89,96 @@ def test_bad_solver_settings_are_refused_with_what_is_allowed() -> None:
     rm = remat.Remat(model, x, None)
     with pytest.raises(remat.SolverError, match="time_limit must be > 0"):
         remat._core.stages(rm._plan.graph_json, time_limit=0.0)
+
+
+@pytest.mark.parametrize("make", [gpt2, _resnet, _transformer], ids=["gpt2", "resnet18", "transformer"])
+def test_check_graphs_replays_every_stage_against_the_model(make, capsys: pytest.CaptureFixture) -> None:
+    model, sample = make()
+    check = remat.check_graphs(model, sample, time_limit=5)
+    assert check.schedules == 3 and check.max_error <= 1
+    assert check.min_budget <= check.budget < check.plain_peak
+    assert check.measured_peak <= check.budget
+    assert 0 < check.classes <= check.blocks < check.groups < check.nodes
+    printed = capsys.readouterr().out
+    assert f"joint graph of {check.nodes} ops" in printed and f"{check.blocks} blocks" in printed
+
+
+def _corrupted(monkeypatch: pytest.MonkeyPatch, corrupt) -> None:
+    """Every joint graph planned from now on goes through ``corrupt`` first."""
+    with_outside = remat.module.with_outside
+
+    def corrupted(*args, **kwargs):
+        g = with_outside(*args, **kwargs)
+        corrupt(g)
+        return g
+
+    monkeypatch.setattr(remat.module, "with_outside", corrupted)
+
+
+def test_check_graphs_fails_loudly_on_a_node_that_computes_something_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    def add_for_mul(g) -> None:  # the last forward multiplication adds instead
+        node = [n for n in g.nodes if n.phase == "forward" and n.fx_node.target is torch.ops.aten.mul.Tensor][-1]
+        node.fx_node.target = torch.ops.aten.add.Tensor
+
+    _corrupted(monkeypatch, add_for_mul)
+    model, tokens = gpt2()
+    with pytest.raises(remat.CheckError, match="plain PyTorch's schedule: output 0 differs") as info:
+        remat.check_graphs(model, tokens, time_limit=5)
+    assert "the gradient of" in str(info.value)
+
+
+def test_check_graphs_fails_loudly_on_a_graph_whose_node_reads_the_wrong_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    def wrong_input(g) -> None:  # a forward node lists an input it does not read
+        node = next(n for n in g.nodes if n.phase == "forward" and len(n.inputs) == 1 and n.id > 10)
+        node.inputs = [node.inputs[0], next(v.id for v in g.values if v.kind == "param" and v.id not in node.inputs)]
+
+    _corrupted(monkeypatch, wrong_input)
+    model, tokens = gpt2()
+    with pytest.raises(remat.CheckError, match=r"node \d+ \(\w+\) reads values \[.*\], and its op's arguments are"):
+        remat.check_graphs(model, tokens, time_limit=5)
+
+
+def _plot_size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.size
+
+
+def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_step(tmp_path: Path) -> None:
+    model, tokens = gpt2(layers=3)
+    rm = remat.Remat(model, tokens, 0.5, time_limit=5)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        rm(tokens).logits.pow(2).mean().backward()
+
+    step()  # measures the loss; the next call plans for it
+    path = rm.plot_memory(tmp_path / "memory.png", step)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and _plot_size(path) == (1000, 450)
+    # the curves drawn: the prediction reaches the plan's peak, and the measured curve, op by op
+    # on the same axis, peaks where the whole step measures
+    plan = rm._plan
+    planned = remat.plot.predicted_curve(plan.graph, plan.graph_json, plan.schedule)
+    assert max(planned.peaks) == plan.schedule["predicted"]["peak_bytes"]
+    assert planned.recomputed and len(planned.times) == len(plan.schedule["forward"]) + len(plan.schedule["backward"])
+    plain = remat.plot.predicted_curve(plan.graph, plan.graph_json, None)
+    assert max(plain.peaks) == rm.plain_peak
+    with remat.memory.Allocations() as record:
+        rm._marking = True
+        step()
+        rm._marking = False
+    grads = record.alive_at(remat.memory.storage_ptrs(p.grad for p in model.parameters()))
+    xs, live = remat.plot.measured_curve(record, planned, grads)
+    assert xs == sorted(xs) and xs[-1] == planned.times[-1]
+    measured = remat.measure_step(step, [*model.parameters(), tokens]).peak_bytes
+    assert max(live) == measured <= rm.budget
+    svg = rm.plot_memory(tmp_path / "memory.svg")  # without a step: the prediction alone
+    assert ET.parse(svg).getroot().tag == f"{SVG}svg"
+
+
+def test_the_memory_plot_refuses_a_step_that_does_not_run_the_plan(tmp_path: Path) -> None:
+    model, tokens = gpt2()
+    rm = remat.Remat(model, tokens, 0.5, time_limit=5)
+    with pytest.raises(remat.RematError, match="did not run the plan drawn"):
+        rm.plot_memory(tmp_path / "memory.png", lambda: model(tokens).logits.sum().backward())

@@ -1,9 +1,11 @@
 """remat: optimal re-materialization (activation checkpointing) for PyTorch training."""
 
 from .backend import Backend, backend
+from .check import GraphCheck, check_graphs
 from .checkpointable import Checkpointable, Sequence
 from .errors import (
     CaptureError,
+    CheckError,
     DeviceMismatch,
     GraphError,
     InfeasibleBudget,
@@ -22,8 +24,10 @@ from .module import Remat
 __all__ = [
     "Backend",
     "CaptureError",
+    "CheckError",
     "Checkpointable",
     "DeviceMismatch",
+    "GraphCheck",
     "GraphError",
     "Graphs",
     "InfeasibleBudget",
@@ -38,6 +42,7 @@ __all__ = [
     "SolverError",
     "StepMemory",
     "backend",
+    "check_graphs",
     "cuda_peak",
     "graphs",
     "measure_step",

@@ -25,6 +25,11 @@ def simulate(graph_json: str, schedule_json: str) -> str:
     forward_end_bytes, backward_start_bytes, time and recomputed_time.
     Raises remat.ScheduleError if the schedule is invalid."""
 
+def memory_curve(graph_json: str, schedule_json: str | None = None) -> str:
+    """The replay op by op (plain PyTorch's without a schedule): a JSON list of points with
+    phase, op ("compute" with node, or "free" with value), bytes (alive after the op), peak
+    (with its temporaries) and, for a compute op, run (1 for the first run of its node)."""
+
 def stages(
     graph_json: str,
     solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",

@@ -73,6 +73,10 @@ class DeviceMismatch(RematError):
     """The sample and the model are not on the same device."""
 
 
+class CheckError(RematError):
+    """``check_graphs`` found a stage that does not reproduce the model (the message lists what)."""
+
+
 class NotSequential(RematError):
     """``Checkpointable`` was given a module that is not a chain of layers (an ``nn.Sequential``)."""
 

@@ -22,6 +22,7 @@ from torch._prims import rng_prims
 from .graph import IN_PLACE, JointGraph
 from .inductor import CompiledPhase
 from .layout import in_layout
+from .memory import Allocations
 
 _INPUT_KINDS = ("param", "buffer", "input")
 
@@ -71,8 +72,11 @@ class Phases:
     grads: list[int]  # graph outputs of kind "grad", in graph order
 
 
-def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False) -> Phases:
-    """The phases of ``schedule``, run eagerly by FX or, ``compiled``, by Inductor (``inductor``)."""
+def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False, marked: bool = False) -> Phases:
+    """The phases of ``schedule``, run eagerly by FX or, ``compiled``, by Inductor (``inductor``).
+    ``marked`` (eager only): at its start and after its ``i``-th op, a phase marks the spans
+    ``"forward:start"`` and ``"forward:{i}"`` (``"backward:..."``) of a recording
+    (``memory.Allocations``), to find each op's allocations."""
     fwd_ops, bwd_ops = schedule["forward"], schedule["backward"]
     counts: dict[int, int] = {}
     for op in fwd_ops + bwd_ops:
@@ -88,10 +92,12 @@ def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False
     forward_outputs = [v for v, k in g.outputs if k in ("forward", "released", "buffer")]
     grads = [v for v, k in g.outputs if k == "grad"]
     fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
-    forward = _emit(g, fwd_ops, fwd_inputs, [], forward_outputs + saved, replayed, bwd_rng, compiled=compiled)
+    marks = ("forward:", "backward:") if marked else (None, None)
+    fwd_outputs = forward_outputs + saved
+    forward = _emit(g, fwd_ops, fwd_inputs, [], fwd_outputs, replayed, bwd_rng, compiled=compiled, mark=marks[0])
     bwd_inputs = _graph_inputs_used(g, bwd_ops, grads)
     layouts = {vid: (tuple(ph.meta["val"].shape), ph.meta["val"].stride()) for vid, ph in g.param_grads().items()}
-    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled)
+    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled, marks[1])
     if compiled:
         forward, backward = CompiledPhase(forward, backward=False), CompiledPhase(backward, backward=True)
     return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads)
@@ -123,6 +129,7 @@ def _emit(
     rng_outputs: list[int],
     layouts: dict[int, tuple] | None = None,
     compiled: bool = False,
+    mark: str | None = None,
 ) -> fx.GraphModule:
     """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``.
     ``layouts``: parameter gradients (value id -> the parameter's shape and strides), put in the
@@ -130,7 +137,8 @@ def _emit(
 
     ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states)``: random nodes
     run through the RNG operators Inductor knows, and a sum into a gradient (``IN_PLACE``) stays
-    out of place (Inductor reuses the dying buffer itself)."""
+    out of place (Inductor reuses the dying buffer itself). ``mark``: the prefix of the span marked
+    after each op (``build_phases``)."""
     layouts = layouts or {}
     graph = fx.Graph()
     env: dict[int, fx.Node] = {}
@@ -148,7 +156,9 @@ def _emit(
             states[nid] = _call(graph, operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
         graph.call_method("clear", (boxed,))
 
-    for op in ops:
+    for i, op in enumerate(ops):
+        if mark is not None:
+            _call(graph, _mark, (f"{mark}{i - 1}" if i else f"{mark}start",), {}, "mark")
         if op["op"] == "free":
             if op["value"] not in outputs:  # a released output is the caller's to drop
                 env.pop(op["value"], None)  # FX frees a value after its last use anyway
@@ -178,9 +188,16 @@ def _emit(
             )
             if vid in layouts:
                 env[vid] = _call(graph, in_layout, (env[vid], *layouts[vid]), {}, g.values[vid].name)
+    if mark is not None and ops:
+        _call(graph, _mark, (f"{mark}{len(ops) - 1}",), {}, "mark")
     graph.output((*[env[v] for v in outputs], *[states[n] for n in rng_outputs]))
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _mark(name: str) -> None:
+    with Allocations.label(name):
+        pass
 
 
 def _call(graph: fx.Graph, target, args, kwargs, name: str) -> fx.Node:

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -38,7 +39,8 @@ from .executor import Phases, build_phases, device_of, rng_state_bytes
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
 from .graphs import Graphs
-from .memory import profiler_running
+from .memory import Allocations, profiler_running, storage_ptrs
+from .plot import measured_curve, plot, predicted_curve
 from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
 from .trace import captured, graph_inputs, profiled
@@ -132,6 +134,7 @@ class Remat(nn.Module):
         self._loss_after = True
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._current: _Planned | None = None
+        self._marking = False  # whether steps run the marked phases (``plot_memory``)
         _check_device(model, *_as_call(sample))
         self.plan_for(sample)
 
@@ -262,6 +265,34 @@ class Remat(nn.Module):
         budget = None if self._budget_arg is None else p.budget
         return Graphs.of(p.graph, p.graph_json, p.schedule, budget, self._options)
 
+    def plot_memory(self, path: str | os.PathLike, step: Callable[[], Any] | None = None) -> Path:
+        """Draws the current plan's memory over the step to ``path`` (``.png``, ``.svg`` or ``.pdf``;
+        matplotlib): the simulator's predicted live bytes op by op against the budget and plain
+        PyTorch's curve, with the recomputations marked. ``step``: a training step that calls this
+        module once, forward and backward (the loss included); it runs once and its measured
+        memory (allocator events, parameter gradients left out) is drawn over the prediction. It
+        runs the plan's phases eagerly, an op at a time, also where they are compiled."""
+        if self._plan is None:
+            raise RematError('nothing is planned (solver="none" or no budget): there is no schedule to plot')
+        measured = None
+        if step is not None:
+            self._marking = True
+            try:
+                with Allocations() as record:
+                    step()
+            finally:
+                self._marking = False
+        plan = self._plan
+        assert plan is not None
+        planned = predicted_curve(plan.graph, plan.graph_json, plan.schedule)
+        plain = predicted_curve(plan.graph, plan.graph_json, None)
+        if step is not None:
+            grads = record.alive_at(storage_ptrs(p.grad for p in self.model.parameters()))
+            measured = measured_curve(record, planned, grads)
+        budget = None if self._budget_arg is None else plan.budget
+        title = f"{type(self.model).__name__}: {len(plan.graph.nodes)} ops, solver {self.solver}"
+        return plot(path, planned, plain, budget, plan.reserve, measured, title)
+
     @property
     def held_bytes(self) -> int | None:
         """Predicted activation bytes the step holds between its forward and backward phases (the
@@ -291,7 +322,7 @@ class Remat(nn.Module):
             self._plan_for_measured(planned)
         elif planned.measure.no_grad is not None and not planned.measure.no_grad_planned:
             self._plan_for_outputs(planned)
-        return planned.plan.run(self.model, args, kwargs)
+        return planned.plan.run(self.model, args, kwargs, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
         """Plan again, once, for the loss estimated over the outputs the first step differentiated
@@ -559,11 +590,17 @@ class _Plan:
             roots.add(v)
         return sum(g.values[v].bytes for v in roots if g.values[v].kind == "activation")
 
-    def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    @functools.cached_property
+    def marked_phases(self) -> Phases:
+        """The schedule's phases run eagerly, each op's allocations marked (``plot.measured_curve``)."""
+        return build_phases(self.graph, self.schedule, marked=True)
+
+    def run(self, model: nn.Module, args: tuple, kwargs: dict, marked: bool = False) -> Any:
+        """One call of the step; ``marked``: through :attr:`marked_phases`."""
         tensors, _, _ = flatten_inputs(args, kwargs)
         inputs = graph_inputs(self.graph, model, tensors)
         vids = list(inputs)
-        outs = _Step.apply(self, vids, *inputs.values())
+        outs = _Step.apply(self, self.marked_phases if marked else self.phases, vids, *inputs.values())
         if self.measure is not None and self.measure.window is not None:
             self.measure.window.watch(list(outs))
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
@@ -861,15 +898,15 @@ class _Step(torch.autograd.Function):
     """One training step's forward and backward phases, as planned."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, vids: list[int], *tensors: torch.Tensor):
+    def forward(ctx, plan: _Plan, phases: Phases, vids: list[int], *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
-        g, phases = plan.graph, plan.phases
+        g = plan.graph
         by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
         with no_autocast():
             result = phases.forward([by_vid[v] for v in phases.forward_inputs])
         n_out = len(phases.forward_outputs)
         produced = dict(zip(phases.forward_outputs, result[:n_out]))
-        ctx.plan, ctx.vids = plan, vids
+        ctx.plan, ctx.phases, ctx.vids = plan, phases, vids
         ctx.inputs = {v: by_vid.get(v) for v in phases.backward_inputs}  # tangents come later
         _update_buffers(g, produced, ctx.inputs, by_vid, plan.copied)
         ctx.saved = [t.detach() for t in result[n_out:]]  # not the objects handed out: see Window.watch
@@ -883,7 +920,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
         plan: _Plan = ctx.plan
-        g, phases = plan.graph, plan.phases
+        g, phases = plan.graph, ctx.phases
         if ctx.window is not None:
             plan.measure.close(ctx.window, grad_outputs, plan)
             ctx.window = None
@@ -906,7 +943,7 @@ class _Step(torch.autograd.Function):
         with no_autocast():
             grads = dict(zip(phases.grads, phases.backward(args)))
         by_input = _grads_by_input(grads, plan.input_grads, got)
-        return (None, None, *[by_input.get(v) for v in ctx.vids])
+        return (None, None, None, *[by_input.get(v) for v in ctx.vids])
 
 
 def _user_outputs(g: JointGraph):

@@ -38,4 +38,4 @@ pub use error::{Error, Result};
 pub use graph::Graph;
 pub use plan::{budget_range, plan, PlanOptions, Solver};
 pub use schedule::{Op, Schedule, SolverInfo, SolverStatus};
-pub use simulate::{simulate, Report};
+pub use simulate::{memory_curve, simulate, Point, Report};

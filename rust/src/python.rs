@@ -60,6 +60,27 @@ fn py_simulate(py: Python<'_>, graph_json: String, schedule_json: String) -> PyR
     .map_err(|e| to_py_err(py, e))
 }
 
+/// `memory_curve(graph_json, schedule_json=None) -> str`: the replay's points as JSON, op by op;
+/// without a schedule, plain PyTorch's.
+#[pyfunction]
+#[pyo3(name = "memory_curve", signature = (graph_json, schedule_json=None))]
+fn py_memory_curve(
+    py: Python<'_>,
+    graph_json: String,
+    schedule_json: Option<String>,
+) -> PyResult<String> {
+    py.detach(|| {
+        let graph = Graph::from_json(&graph_json)?;
+        let schedule = match schedule_json {
+            Some(json) => Schedule::from_json(&json)?,
+            None => crate::plan::store_all(&graph)?,
+        };
+        let points = crate::memory_curve(&graph, &schedule)?;
+        Ok(serde_json::to_string(&points).expect("a curve always serializes"))
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
 /// `budget_range(graph_json) -> (min_budget, plain_peak)`.
 #[pyfunction]
 #[pyo3(name = "budget_range")]
@@ -129,6 +150,7 @@ fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(py_memory_curve, m)?)?;
     m.add_function(wrap_pyfunction!(py_stages, m)?)?;
     m.add_function(wrap_pyfunction!(py_budget_range, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;

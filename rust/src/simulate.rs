@@ -40,9 +40,36 @@ impl Report {
     }
 }
 
+/// One op of a replay: the bytes alive after it, and at its height (its temporaries included).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Point {
+    pub phase: Phase,
+    #[serde(flatten)]
+    pub op: Op,
+    /// Bytes alive after the op.
+    pub bytes: u64,
+    /// Bytes at the op's height: alive after it plus its temporaries (`bytes` for a free).
+    pub peak: u64,
+    /// For a compute op, which run of its node this is (1: the first; more: a recomputation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<u32>,
+}
+
 /// Replays `schedule` on `graph`; an invalid op is an [`Error::Schedule`] naming the op and why.
 pub fn simulate(graph: &Graph, schedule: &Schedule) -> Result<Report> {
+    replay(graph, schedule, None)
+}
+
+/// The memory of `schedule` op by op, forward then backward, as [`simulate`] replays it.
+pub fn memory_curve(graph: &Graph, schedule: &Schedule) -> Result<Vec<Point>> {
+    let mut points = Vec::with_capacity(schedule.forward.len() + schedule.backward.len());
+    replay(graph, schedule, Some(&mut points))?;
+    Ok(points)
+}
+
+fn replay(graph: &Graph, schedule: &Schedule, curve: Option<&mut Vec<Point>>) -> Result<Report> {
     let mut state = State::new(graph);
+    state.curve = curve;
     let forward_peak = state.run_phase(Phase::Forward, &schedule.forward)?;
     state.check_outputs_alive(Phase::Forward)?;
     let forward = (forward_peak, state.bytes);
@@ -53,8 +80,10 @@ pub fn simulate(graph: &Graph, schedule: &Schedule) -> Result<Report> {
     Ok(state.report(forward, (backward_start, backward_peak)))
 }
 
-struct State<'g> {
+struct State<'g, 'c> {
     graph: &'g Graph,
+    /// Where each op's [`Point`] goes, if anywhere.
+    curve: Option<&'c mut Vec<Point>>,
     alive: Vec<bool>,
     /// Per storage owner: how many of its values are alive.
     live_values: Vec<u32>,
@@ -62,11 +91,12 @@ struct State<'g> {
     runs: Vec<u32>,
 }
 
-impl<'g> State<'g> {
-    fn new(graph: &'g Graph) -> State<'g> {
+impl<'g, 'c> State<'g, 'c> {
+    fn new(graph: &'g Graph) -> State<'g, 'c> {
         let n = graph.values().len();
         let mut state = State {
             graph,
+            curve: None,
             alive: vec![false; n],
             live_values: vec![0; n],
             bytes: 0,
@@ -119,11 +149,27 @@ impl<'g> State<'g> {
         let mut peak = self.bytes;
         for (i, op) in ops.iter().enumerate() {
             let at = || format!("{} op {i} ({op})", phase_name(phase));
-            match *op {
-                Op::Compute { node } => {
-                    peak = peak.max(self.compute(phase, node).map_err(|e| fail(at(), e))?)
+            let height = match *op {
+                Op::Compute { node } => self.compute(phase, node).map_err(|e| fail(at(), e))?,
+                Op::Free { value } => {
+                    self.free(phase, value).map_err(|e| fail(at(), e))?;
+                    self.bytes
                 }
-                Op::Free { value } => self.free(phase, value).map_err(|e| fail(at(), e))?,
+            };
+            peak = peak.max(height);
+            if let Some(curve) = self.curve.as_deref_mut() {
+                let run = match *op {
+                    Op::Compute { node } => Some(self.runs[node]),
+                    Op::Free { .. } => None,
+                };
+                let (op, bytes) = (*op, self.bytes);
+                curve.push(Point {
+                    phase,
+                    op,
+                    bytes,
+                    peak: height,
+                    run,
+                });
             }
         }
         Ok(peak)

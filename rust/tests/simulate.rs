@@ -4,7 +4,7 @@ mod common;
 
 use common::Builder;
 use remat::graph::{OutputKind, Phase};
-use remat::{simulate, Error, Graph, Op, Schedule};
+use remat::{memory_curve, simulate, Error, Graph, Op, Schedule};
 
 /// x → f0 → a (10 B) → f1 → b (20 B, forward output); backward b0(tangent 5 B, a) → g (3 B, grad).
 /// The gradient becomes `.grad`: its 3 bytes are not activation memory.
@@ -61,6 +61,33 @@ fn recomputation_is_timed_and_counted() {
     assert_eq!(report.time, 8.0);
     assert_eq!(report.recomputed_time, 1.0);
     assert_eq!(report.backward_peak_bytes, 20 + 5 + 10);
+}
+
+#[test]
+fn the_memory_curve_follows_each_op_and_marks_recomputations() {
+    let g = tiny();
+    let forward = vec![compute(0), compute(1), free(1)];
+    let backward = vec![compute(0), compute(2), free(1)];
+    let schedule = Schedule::new(forward, backward);
+    let curve = memory_curve(&g, &schedule).unwrap();
+    let rows: Vec<(Phase, u64, u64, Option<u32>)> = curve
+        .iter()
+        .map(|p| (p.phase, p.bytes, p.peak, p.run))
+        .collect();
+    use Phase::{Backward as B, Forward as F};
+    assert_eq!(
+        rows,
+        vec![
+            (F, 10, 10, Some(1)),
+            (F, 30, 37, Some(1)), // f1's 7 temporary bytes
+            (F, 20, 20, None),
+            (B, 35, 35, Some(2)), // the tangent's 5 bytes arrive; f0 runs again
+            (B, 35, 35, Some(1)), // the gradient is not activation memory
+            (B, 25, 25, None),
+        ]
+    );
+    let report = simulate(&g, &schedule).unwrap();
+    assert_eq!(curve.iter().map(|p| p.peak).max(), Some(report.peak_bytes));
 }
 
 #[test]
