@@ -99,9 +99,11 @@ def rss_rows() -> list[tuple[int, int, int, int, int, int, int]]:
     return rows
 
 
-# The C heap's small blocks (under 64 KiB) stay in the resident set once touched; beyond this, two
-# peaks are compared within the spread their repeated steps measured.
-SLACK = 2**20
+# The C heap's small blocks (under 64 KiB) stay in the resident set once touched, and how many
+# varies from process to process: the compiled step's peak less the eager one's measured -1.1,
+# -1.1 and +0.5 MB in three runs of this fixture. Beyond this, two peaks are compared within the
+# spread of their repeated steps.
+SLACK = 2 * 2**20
 
 
 def test_compiled_step_holds_no_more_than_the_eager_executor_and_falls_with_the_budget(rss_rows):

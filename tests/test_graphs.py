@@ -159,10 +159,10 @@ def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_ste
     # the curves drawn: the prediction reaches the plan's peak, and the measured curve, op by op
     # on the same axis, peaks where the whole step measures
     plan = rm._plan
-    planned = remat.plot.predicted_curve(plan.graph, plan.graph_json, plan.schedule)
+    planned = remat.plot.predicted_curve(plan.graph_json, plan.schedule)
     assert max(planned.peaks) == plan.schedule["predicted"]["peak_bytes"]
     assert planned.recomputed and len(planned.times) == len(plan.schedule["forward"]) + len(plan.schedule["backward"])
-    plain = remat.plot.predicted_curve(plan.graph, plan.graph_json, None)
+    plain = remat.plot.predicted_curve(plan.graph_json, None)
     assert max(plain.peaks) == rm.plain_peak
     with remat.memory.Allocations() as record:
         rm._marking = True

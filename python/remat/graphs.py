@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -91,20 +91,32 @@ class JointStage(Stage):
 
     title = "joint graph"
 
-    def __init__(self, g: JointGraph) -> None:
-        producer = {v: n.id for n in g.nodes for v in n.outputs}
-        for v in g.values:  # a view's readers read its storage's producer
-            if v.alias_of is not None and v.id not in producer and v.alias_of in producer:
-                producer[v.id] = producer[v.alias_of]
+    def __init__(self, graph: dict[str, Any], shapes: dict[int, str] | None = None) -> None:
+        """``graph``: the graph file's dict (``docs/formats.md``); ``shapes``: node id -> its
+        output's shape and dtype, where known."""
+        values = graph["values"]
+        producer = {v: n["id"] for n in graph["nodes"] for v in n["outputs"]}
+        for v in values:  # a view's readers read its storage's producer
+            alias = v.get("alias_of")
+            if alias is not None and v["id"] not in producer and alias in producer:
+                producer[v["id"]] = producer[alias]
+        shapes = shapes or {}
         self.ops: list[Op] = []
+        for n in graph["nodes"]:
+            inputs = tuple(sorted({producer[v] for v in n["inputs"] if v in producer}))
+            size = sum(values[v]["bytes"] for v in n["outputs"] if values[v].get("alias_of") is None)
+            op = Op(n["id"], n["name"], _op(n["target"]), n["phase"], shapes.get(n["id"], ""), size, n["time"], inputs)
+            self.ops.append(op)
+
+    @staticmethod
+    def of(g: JointGraph) -> JointStage:
+        """The stage of a captured graph, with its ops' shapes."""
+        shapes = {}
         for n in g.nodes:
             val = n.fx_node.meta.get("val")
-            shape = ""
             if isinstance(val, torch.Tensor):
-                shape = f"{tuple(val.shape)} {str(val.dtype).removeprefix('torch.')}"
-            inputs = tuple(sorted({producer[v] for v in n.inputs if v in producer}))
-            size = sum(g.values[v].bytes for v in n.outputs if g.values[v].alias_of is None)
-            self.ops.append(Op(n.id, n.fx_node.name, _op(n.fx_node.target), n.phase, shape, size, n.time, inputs))
+                shapes[n.id] = f"{tuple(val.shape)} {str(val.dtype).removeprefix('torch.')}"
+        return JointStage(g.to_dict(), shapes)
 
     def __str__(self) -> str:
         forward = [o for o in self.ops if o.phase == "forward"]
@@ -324,14 +336,24 @@ class Graphs:
         return "\n".join(str(s) for s in (self.joint, self.simplified, self.blocks, self.classes, self.schedule))
 
     @staticmethod
-    def of(g: JointGraph, graph_json: str, schedule: dict[str, Any], budget: int | None, options: Any) -> Graphs:
-        """The stages of a plan (``options``: the ``Remat``'s solver options)."""
+    def of(
+        joint: JointStage, graph_json: str, schedule: dict[str, Any], budget: int | None, options: PlanOptions
+    ) -> Graphs:
+        """The stages of a plan of the graph ``graph_json`` (``joint``: its stage)."""
         o = options
         stages = json.loads(_core.stages(graph_json, o.solver, o.time_limit, o.mip_gap, o.slots))
-        joint = JointStage(g)
         simplified = SimplifiedStage(joint, stages)
         blocks, classes = BlocksStage(simplified, stages), ClassesStage(stages)
         return Graphs(joint, simplified, blocks, classes, ScheduleStage(joint, schedule, budget))
+
+
+class PlanOptions(Protocol):
+    """The solver's settings (``Remat``'s)."""
+
+    solver: str
+    time_limit: float
+    mip_gap: float
+    slots: int
 
 
 def render(g: Graphs, name: str | os.PathLike, format: Format = "svg", ops: bool = False) -> list[Path]:

@@ -38,7 +38,7 @@ from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileErr
 from .executor import Phases, build_phases, device_of, rng_state_bytes
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
-from .graphs import Graphs
+from .graphs import Graphs, JointStage
 from .memory import Allocations, profiler_running, storage_ptrs
 from .plot import measured_curve, plot, predicted_curve
 from .saved import Saved, fingerprint, load, path_of, save
@@ -263,7 +263,7 @@ class Remat(nn.Module):
         if p is None:
             return None
         budget = None if self._budget_arg is None else p.budget
-        return Graphs.of(p.graph, p.graph_json, p.schedule, budget, self._options)
+        return Graphs.of(JointStage.of(p.graph), p.graph_json, p.schedule, budget, self._options)
 
     def plot_memory(self, path: str | os.PathLike, step: Callable[[], Any] | None = None) -> Path:
         """Draws the current plan's memory over the step to ``path`` (``.png``, ``.svg`` or ``.pdf``;
@@ -284,8 +284,8 @@ class Remat(nn.Module):
                 self._marking = False
         plan = self._plan
         assert plan is not None
-        planned = predicted_curve(plan.graph, plan.graph_json, plan.schedule)
-        plain = predicted_curve(plan.graph, plan.graph_json, None)
+        planned = predicted_curve(plan.graph_json, plan.schedule)
+        plain = predicted_curve(plan.graph_json, None)
         if step is not None:
             grads = record.alive_at(storage_ptrs(p.grad for p in self.model.parameters()))
             measured = measured_curve(record, planned, grads)

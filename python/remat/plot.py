@@ -14,7 +14,6 @@ from typing import Any
 
 from . import _core
 from .errors import RematError
-from .graph import JointGraph
 from .memory import Allocations
 
 
@@ -29,13 +28,14 @@ class Curve:
     forward_ops: int  # the first ``forward_ops`` points are the forward phase's
 
 
-def predicted_curve(g: JointGraph, graph_json: str, schedule: dict[str, Any] | None) -> Curve:
-    """The simulator's replay of ``schedule`` (plain PyTorch's where ``None``) on ``g``."""
+def predicted_curve(graph_json: str, schedule: dict[str, Any] | None) -> Curve:
+    """The simulator's replay of ``schedule`` (plain PyTorch's where ``None``) on the graph."""
     points = json.loads(_core.memory_curve(graph_json, None if schedule is None else json.dumps(schedule)))
+    node_times = [n["time"] for n in json.loads(graph_json)["nodes"]]
     times, t = [], 0.0
     for p in points:
         if p["op"] == "compute":
-            t += g.nodes[p["node"]].time
+            t += node_times[p["node"]]
         times.append(t)
     recomputed = [i for i, p in enumerate(points) if p.get("run", 1) > 1]
     forward = sum(1 for p in points if p["phase"] == "forward")

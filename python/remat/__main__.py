@@ -1,0 +1,7 @@
+"""``python -m remat``: see ``remat.cli``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

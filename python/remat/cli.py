@@ -1,0 +1,201 @@
+"""``python -m remat``: plan and draw from the command line.
+
+    python -m remat plan SOURCE --budget BUDGET [--schedule FILE] [--plot FILE]
+    python -m remat graphs SOURCE --out DIR [--budget BUDGET] [--format svg|png|pdf] [--ops]
+
+SOURCE is a graph file (``docs/formats.md``, e.g. ``rust/tests/graphs/gpt2_12l.json``) or a model
+factory, ``package.module:function`` or ``path/to/file.py:function``, returning ``(model,
+sample)`` (the model is planned in training mode). BUDGET is bytes, with a unit or not (``2GiB``,
+``512MiB``, ``1.5GB``, ``300000``), or a fraction in (0, 1] of plain PyTorch's peak. Each command
+prints the plan's summary; planning a model shows a progress bar (with tqdm installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _core
+from .errors import RematError
+from .graphs import Graphs, JointStage, render
+from .plot import plot, predicted_curve
+from .stages import planning, stage
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str) -> int | float:
+    """``"2GiB"`` -> bytes (an int); ``"0.4"`` -> a fraction of plain PyTorch's peak."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"a budget is bytes (300000, 512MiB, 2GiB, 1.5GB) or a fraction in (0, 1], got {text!r}"
+        )
+    number = float(match.group(1))
+    if not unit and "." in match.group(1):
+        if not 0 < number <= 1:
+            raise argparse.ArgumentTypeError(f"a fractional budget lies in (0, 1], got {text}")
+        return number
+    return int(number * _UNITS[unit])
+
+
+@dataclass
+class _Settings:
+    solver: str
+    time_limit: float
+    mip_gap: float
+    slots: int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m remat", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("source", help="a graph file (.json) or a model factory (module:function, file.py:function)")
+    common.add_argument("--solver", default="rockmate", choices=["rockmate", "rotor", "checkmate"])
+    common.add_argument("--time-limit", type=float, default=30.0, help="seconds an ILP may run")
+    common.add_argument("--mip-gap", type=float, default=0.01)
+    common.add_argument("--slots", type=int, default=500, help="memory slots of the DP over blocks")
+    plan = commands.add_parser("plan", parents=[common], help="plan under a budget and print the summary")
+    plan.add_argument("--budget", type=parse_budget, required=True, help="bytes (2GiB, 512MiB) or a fraction")
+    plan.add_argument("--schedule", type=Path, help="write the schedule (JSON) here")
+    plan.add_argument("--plot", type=Path, help="draw the memory plot here (.png, .svg, .pdf)")
+    graphs = commands.add_parser("graphs", parents=[common], help="draw every stage to a directory")
+    graphs.add_argument("--out", type=Path, required=True, help="the directory the pictures go to")
+    graphs.add_argument("--budget", type=parse_budget, help="the plan drawn (default: plain PyTorch's schedule)")
+    graphs.add_argument("--format", default="svg", choices=["svg", "png", "pdf"])
+    graphs.add_argument("--ops", action="store_true", help="also the joint graph and the schedule, an op each")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = _Settings(args.solver, args.time_limit, args.mip_gap, args.slots)
+    try:
+        planned = _planned(args.source, args.budget, settings)
+        g = Graphs.of(planned.joint, planned.graph_json, planned.schedule, planned.budget, settings)
+        if args.command == "plan":
+            print(_summary(planned))
+            if args.schedule is not None:
+                args.schedule.write_text(json.dumps(planned.schedule))
+                print(f"schedule: {args.schedule}")
+            if args.plot is not None:
+                print(f"memory plot: {_plot(planned, args.plot, args.source)}")
+        else:
+            print(g)
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = args.out / Path(args.source.rpartition(":")[2]).stem
+            for path in render(g, name, args.format, ops=args.ops):
+                print(f"drew {path}")
+            if planned.budget is not None:
+                print(f"drew {_plot(planned, args.out / f'{name.name}-memory.{args.format}', args.source)}")
+    except RematError as exc:
+        print(f"remat: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@dataclass
+class _Planned:
+    joint: JointStage
+    graph_json: str
+    schedule: dict[str, Any]
+    budget: int | None
+    reserve: int
+    min_budget: int
+    plain_peak: int
+
+
+def _planned(source: str, budget: int | float | None, settings: _Settings) -> _Planned:
+    if source.endswith(".json") and Path(source).is_file():
+        return _planned_file(Path(source), budget, settings)
+    return _planned_model(source, budget, settings)
+
+
+def _planned_file(path: Path, budget: int | float | None, s: _Settings) -> _Planned:
+    graph_json = path.read_text()
+    graph = json.loads(graph_json)
+    with planning(path.stem, stages=1), stage(f"solve ({s.solver})"):
+        min_budget, plain_peak = _core.budget_range(graph_json)
+        target = plain_peak if budget is None else int(budget * plain_peak) if isinstance(budget, float) else budget
+        schedule = json.loads(_core.plan(graph_json, target, s.solver, s.time_limit, s.mip_gap, s.slots))
+    return _Planned(
+        JointStage(graph), graph_json, schedule, None if budget is None else target, 0, min_budget, plain_peak
+    )
+
+
+def _planned_model(source: str, budget: int | float | None, s: _Settings) -> _Planned:
+    from .module import Remat
+
+    model, sample = _factory(source)()
+    rm = Remat(
+        model.train(), sample, budget, solver=s.solver, time_limit=s.time_limit, mip_gap=s.mip_gap, slots=s.slots
+    )
+    p = rm._plan
+    assert p is not None
+    return _Planned(
+        JointStage.of(p.graph),
+        p.graph_json,
+        p.schedule,
+        None if budget is None else p.budget,
+        p.reserve,
+        p.min_budget,
+        p.plain_peak,
+    )
+
+
+def _factory(source: str) -> Any:
+    """The function ``source`` names: ``package.module:function`` or ``file.py:function``."""
+    where, _, name = source.rpartition(":")
+    if not where or not name:
+        raise RematError(
+            f"{source!r} is neither a graph file (.json) nor a model factory: name one as module:function or "
+            "path/to/file.py:function, returning (model, sample)"
+        )
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise RematError(f"no file {where}")
+        sys.path.insert(0, str(path.parent.resolve()))  # the file's own imports of its neighbours
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise RematError(f"cannot import {where}: {exc}") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise RematError(f"{where} has no function {name}")
+    return factory
+
+
+def _summary(p: _Planned) -> str:
+    pred = p.schedule["predicted"]
+    solver = p.schedule.get("solver") or {}
+    peak = pred["peak_bytes"] + p.reserve
+    return "\n".join(
+        [
+            f"budget: {p.budget} bytes ({(p.budget or 0) / 2**20:.2f} MiB)",
+            f"smallest budget: {p.min_budget} bytes; plain PyTorch's peak: {p.plain_peak} bytes",
+            f"predicted peak: {peak} bytes ({peak / max(p.plain_peak, 1):.0%} of plain)",
+            f"predicted time: {pred['time'] * 1e3:.3f} ms, of which {pred['recomputed_time'] * 1e3:.3f} ms recomputing",
+            f"solver: {solver.get('name', '?')}, {solver.get('status', '?')}",
+        ]
+    )
+
+
+def _plot(p: _Planned, path: Path, source: str) -> Path:
+    planned = predicted_curve(p.graph_json, p.schedule)
+    plain = predicted_curve(p.graph_json, None)
+    return plot(path, planned, plain, p.budget, p.reserve, title=f"{source}: predicted")
