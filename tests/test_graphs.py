@@ -155,7 +155,7 @@ def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_ste
 
     step()  # measures the loss; the next call plans for it
     path = rm.plot_memory(tmp_path / "memory.png", step)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and _plot_size(path) == (1000, 450)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and _plot_size(path) == (1000, 500)
     # the curves drawn: the prediction reaches the plan's peak, and the measured curve, op by op
     # on the same axis, peaks where the whole step measures
     plan = rm._plan

@@ -94,7 +94,7 @@ def plot(
     if path.suffix.lstrip(".") not in ("png", "svg", "pdf"):
         raise ValueError(f"the plot's file must end in .png, .svg or .pdf, got {path.name!r}")
     mib, ms = 2.0**-20, 1e3
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    fig = Figure(figsize=(10, 5), layout="constrained")
     ax = fig.subplots()
     ax.step(
         [t * ms for t in plain.times],
@@ -143,6 +143,6 @@ def plot(
     ax.set_ylabel("activation memory (MiB)")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    fig.legend(fontsize=8, loc="outside lower center", ncols=3, frameon=False)
     fig.savefig(path)
     return path
