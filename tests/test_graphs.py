@@ -60,6 +60,8 @@ def test_every_stage_prints_and_draws(make, tmp_path: Path) -> None:
     assert sum(len(c["blocks"]) for c in g.classes.classes) == blocks
     png = g.blocks.render(tmp_path / "ops.png", ops=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in remat.render(g, tmp_path / "model", "png"):  # the stages collapsed to groups and blocks
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and min(_plot_size(png)) > 20
 
 
 def test_blocks_of_a_class_share_a_color_and_a_plan_marks_its_recomputations(tmp_path: Path) -> None:
