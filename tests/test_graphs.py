@@ -73,6 +73,14 @@ def test_blocks_of_a_class_share_a_color_and_a_plan_marks_its_recomputations(tmp
     dot = g.simplified.dot()
     colors = {dot.split(f"subgraph cluster_{b} ")[1].split("fillcolor=")[1].split(";")[0] for b in layers[0]["blocks"]}
     assert len(colors) == 1
+    for c, cls in enumerate(g.classes.classes):  # the anonymized form: a line per group of each of its blocks
+        groups, storages = g.classes.form(c)
+        assert all(
+            len(groups) == len(g.blocks.blocks[b]["forward"]) + len(g.blocks.blocks[b]["backward"])
+            for b in cls["blocks"]
+        )
+        assert storages and all(s.split(":")[0].isdigit() for s in storages)
+    assert "anonymized form: " in str(g.classes)
     assert "recomputing" in str(g.schedule) and " 0 recomputations" not in str(g.schedule)
     assert "penwidth=3" in g.schedule.dot()
 

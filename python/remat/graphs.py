@@ -263,11 +263,23 @@ class ClassesStage(Stage):
     def __len__(self) -> int:
         return len(self.classes)
 
+    def form(self, c: int) -> tuple[list[str], list[str]]:
+        """Class ``c``'s anonymized form (names and times left out: equal forms, one class): a
+        line per group (its ops, phase, the block-local storages it reads and makes, temporary
+        bytes), and a line per storage (bytes, how long it is held, its readers)."""
+        entries = [e for e in self.classes[c]["key"].split(";") if e]
+        groups = [e for e in entries if not e[0].isdigit()]
+        return groups, entries[len(groups) :]
+
     def __str__(self) -> str:
         lines = [f"{self.title}: {len(self.classes)}"]
         for c, cls in enumerate(self.classes):
             blocks = ", ".join(map(str, cls["blocks"]))
             lines.append(f"  class {c}: blocks {blocks}; {len(cls['options'])} options ({cls['status']})")
+            groups, storages = self.form(c)
+            ops = [_op(group.split(":")[0].split("+")[0]) for group in groups]
+            shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+            lines.append(f"    anonymized form: {len(groups)} groups ({shown}), {len(storages)} storages")
             lines.append("    forward      backward     saved        forward peak  backward peak")
             for o in cls["options"]:
                 peaks = [_mib(p) if p is not None else "-" for p in (o["forward_peak_bytes"], o["backward_peak_bytes"])]
