@@ -2,7 +2,7 @@
 so the loss is inside, or with ``--loss-outside`` cross-entropy on the logits outside the model,
 fp32): plain PyTorch, ``torch.utils.checkpoint`` on every layer, and remat
 at its smallest feasible budget and at three budgets between it and plain's measured peak.
-Prints each run's measured peak (``remat.measure_step``; on CUDA also the allocator's peak above
+Prints each run's measured peak (``remat.testing.measure_step``; on CUDA also the allocator's peak above
 the parameters, gradients included), remat's predicted peak, the median step time and the
 planning time, all measured side by side in one process.
 
@@ -41,9 +41,9 @@ def measure(runner, model, sample, steps: int, outside: bool) -> tuple[int, int 
 
     step()
     model.zero_grad(set_to_none=True)
-    peak = remat.measure_step(step, keep).peak_bytes
+    peak = remat.testing.measure_step(step, keep).peak_bytes
     model.zero_grad(set_to_none=True)
-    allocated = remat.cuda_peak(step) if cuda else None
+    allocated = remat.testing.cuda_peak(step) if cuda else None
     times = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)

@@ -5,7 +5,7 @@ budgets, measured side by side in one process.
 
 Each run's step time is the median of ``--steps`` steps, each run right after an eager step,
 and is given as a ratio to the median of those eager steps. The peak is one step's: peak RSS on
-CPU (``remat.rss_peak``; the script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``),
+CPU (``remat.testing.rss_peak``; the script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``),
 ``torch.cuda.max_memory_allocated`` on CUDA (bf16 autocast there); parameter gradients made by
 the step are included in every row. The loss is ``logits.pow(2).mean()`` outside the model.
 
@@ -76,7 +76,7 @@ def main() -> None:
         for _ in range(warmup):  # compilation; remat plans again for the loss on its first step
             step()
         model.zero_grad(set_to_none=True)  # the last step's gradients are freed before the peak's baseline
-        peak = remat.cuda_peak(step) if cuda else remat.rss_peak(step)
+        peak = remat.testing.cuda_peak(step) if cuda else remat.testing.rss_peak(step)
         ours, theirs = [], []
         for _ in range(args.steps):
             theirs.append(_timed(eager))

@@ -108,7 +108,7 @@ def train(runner, model, sample, steps: int) -> dict:
         if step == 0:  # the first step measures the loss
             run()
         elif step == 1:  # memory is measured on the second step, time on the others (untracked)
-            peak = remat.measure_step(run, keep).peak_bytes
+            peak = remat.testing.measure_step(run, keep).peak_bytes
         else:
             t0 = time.perf_counter()
             run()

@@ -59,7 +59,7 @@ def run_step(model: nn.Module, runner: nn.Module, sample: Any, loss_fn=default_l
         result["out"], result["loss"] = out, loss.item()
 
     t0 = time.perf_counter()
-    mem = remat.measure_step(step, keep)
+    mem = remat.testing.measure_step(step, keep)
     seconds = time.perf_counter() - t0
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return Step(result["out"], result["loss"], grads, mem.peak_bytes, seconds)

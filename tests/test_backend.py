@@ -84,7 +84,7 @@ def test_graph_breaks_share_a_byte_budget():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = Broken(), torch.randn(64, 32, 64)
-    plain = remat.measure_step(lambda: _step(model, x), [*model.parameters(), x]).peak_bytes
+    plain = remat.testing.measure_step(lambda: _step(model, x), [*model.parameters(), x]).peak_bytes
     budget = plain // 2
     backend = remat.backend(budget, compile=False)
     _compare(model, torch.compile(model, backend=backend, dynamic=False), x, steps=3)
@@ -140,7 +140,7 @@ model, x = Broken(), torch.randn(64, 32, 64)
 grads = sum(p.numel() * p.element_size() for p in model.parameters())
 _step(model, x)
 model.zero_grad(set_to_none=True)
-plain = remat.rss_peak(lambda: _step(model, x))
+plain = remat.testing.rss_peak(lambda: _step(model, x))
 rows = []
 for fraction in {fractions}:
     torch._dynamo.reset()
@@ -150,7 +150,7 @@ for fraction in {fractions}:
         model.zero_grad(set_to_none=True)
         _step(compiled, x)
     model.zero_grad(set_to_none=True)
-    rows.append([grads, budget, remat.rss_peak(lambda: _step(compiled, x))])
+    rows.append([grads, budget, remat.testing.rss_peak(lambda: _step(compiled, x))])
 print(json.dumps(rows))
 """
 

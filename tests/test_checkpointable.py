@@ -1,6 +1,6 @@
 """rotor's API: ``remat.Checkpointable`` on sequential models, against plain PyTorch.
 
-Measured peaks come from ``remat.measure_step`` (every storage followed until it is released).
+Measured peaks come from ``remat.testing.measure_step`` (every storage followed until it is released).
 A measured peak may exceed the limit only by ``SLACK``: the test's loss and its seed (outside the
 model, ``helpers.OUTSIDE_MODEL_SLACK``) and the 4-byte scalar with which each block's backward
 is started (one alive at a time, with its 4-byte seed). Everything else is in the prediction,

@@ -75,7 +75,7 @@ for budget in {budgets}:
             rm(tokens).logits.pow(2).mean().backward()
         step(); step()  # compiles; plans again for the measured loss
         # the lowest of three steps, and their spread: a step's resident set at times grows by a few MB more
-        peaks = [remat.rss_peak(step) for _ in range(3)]
+        peaks = [remat.testing.rss_peak(step) for _ in range(3)]
         row += [rm.budget, min(peaks), max(peaks) - min(peaks)]
     rows.append(row)
 print(json.dumps(rows))
@@ -147,7 +147,7 @@ def test_measured_peaks_fall_with_the_budget_over_a_grid(compile: bool) -> None:
         rm.set_budget(budget)
         step()  # compiles the new plan's phases
         predicted = rm.schedule["predicted"]["peak_bytes"] + rm.reserve
-        rows.append((budget, predicted, remat.measure_step(step, keep).peak_bytes))
+        rows.append((budget, predicted, remat.testing.measure_step(step, keep).peak_bytes))
     print("\nbudget, predicted, measured:", *rows, sep="\n")
     for higher, lower in zip(rows, rows[1:]):
         assert lower[2] <= higher[2], f"a lower budget measured a higher peak: {rows}"

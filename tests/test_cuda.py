@@ -27,9 +27,9 @@ def _step(model, runner, case):
         torch.manual_seed(1)
         case.loss(call(runner, case.sample)).backward()
 
-    tracked = remat.measure_step(step, keep).peak_bytes
+    tracked = remat.testing.measure_step(step, keep).peak_bytes
     model.zero_grad(set_to_none=True)
-    allocated = remat.cuda_peak(step)
+    allocated = remat.testing.cuda_peak(step)
     # Eager BatchNorm on CUDA runs cuDNN's kernel where the captured graph runs ATen's; on a batch
     # of 2 with 1x1 maps (ResNet's last stage) their rounding differs by 7% of a gradient. Without
     # cuDNN both run the same kernels, and remat's gradients equal plain PyTorch's bit for bit.

@@ -181,7 +181,7 @@ def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_ste
     grads = record.alive_at(remat.memory.storage_ptrs(p.grad for p in model.parameters()))
     xs, live = remat.plot.measured_curve(record, planned, grads)
     assert xs == sorted(xs) and xs[-1] == planned.times[-1]
-    measured = remat.measure_step(step, [*model.parameters(), tokens]).peak_bytes
+    measured = remat.testing.measure_step(step, [*model.parameters(), tokens]).peak_bytes
     assert max(live) == measured <= rm.budget
     svg = rm.plot_memory(tmp_path / "memory.svg")  # without a step: the prediction alone
     assert ET.parse(svg).getroot().tag == f"{SVG}svg"

@@ -50,7 +50,7 @@ def _step(model, runner, tokens, autocast: torch.dtype | None = None):
 def _peak(model, runner, tokens) -> int:
     keep = [*model.parameters(), *model.buffers(), tokens]
     model.zero_grad(set_to_none=True)
-    return remat.measure_step(lambda: _step(model, runner, tokens), keep).peak_bytes
+    return remat.testing.measure_step(lambda: _step(model, runner, tokens), keep).peak_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -96,7 +96,7 @@ def test_autocast_is_as_accurate_as_plain_autocast(device: str, dtype: torch.dty
         assert (o - e).norm() <= 1.5 * (p - e).norm() + 1e-6 * e.norm()
     keep = [*model.parameters(), *model.buffers(), tokens]
     model.zero_grad(set_to_none=True)
-    assert remat.measure_step(lambda: _step(model, rm, tokens, dtype), keep).peak_bytes <= rm.budget
+    assert remat.testing.measure_step(lambda: _step(model, rm, tokens, dtype), keep).peak_bytes <= rm.budget
 
 
 def test_new_shapes_get_their_own_plans(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,5 +1,5 @@
 """Memory inside ops: CPU kernels allocate scratch that no tensor shows (dropout's float mask is
-as large as its input). ``remat.measure_step`` sees it, profiling measures it per op, and the
+as large as its input). ``remat.testing.measure_step`` sees it, profiling measures it per op, and the
 plan counts it, so the measured step keeps the budget."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_measure_step_sees_the_scratch_inside_a_cpu_dropout() -> None:
         out, _ = torch.ops.aten.native_dropout(x, 0.5, True)
         out.sum().backward()
 
-    measured = remat.measure_step(step, [x]).peak_bytes
+    measured = remat.testing.measure_step(step, [x]).peak_bytes
     # the output (1 MiB), its bool mask (0.25 MiB) and the float mask made inside the op (1 MiB)
     assert measured >= 2.25 * MIB, measured
 
@@ -39,7 +39,7 @@ def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> No
     torch.manual_seed(0)
     model, x = _Dropouts().train(), torch.randn(512, 512)
     keep = [*model.parameters(), x]
-    plain = remat.measure_step(lambda: model(x).pow(2).mean().backward(), keep).peak_bytes
+    plain = remat.testing.measure_step(lambda: model(x).pow(2).mean().backward(), keep).peak_bytes
     model.zero_grad(set_to_none=True)
     rm = remat.Remat(model, x, 0.6, time_limit=5)  # one block: the whole graph's ILP
     dropouts = [n for n in rm.graph["nodes"] if "native_dropout.default" in n["target"]]
@@ -51,7 +51,7 @@ def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> No
 
     step()
     step()  # planned for the measured loss
-    measured = remat.measure_step(step, keep).peak_bytes
+    measured = remat.testing.measure_step(step, keep).peak_bytes
     assert measured <= rm.budget, (measured, rm.budget, plain)
     assert measured < 0.7 * plain, (measured, plain)
 
@@ -62,5 +62,5 @@ def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(capl
         with caplog.at_level(logging.WARNING, logger="remat"):
             remat.Remat(model, x, 0.6, time_limit=5)
         with pytest.raises(remat.RematError, match="outside the torch.profiler.profile"):
-            remat.measure_step(lambda: model(x).sum().backward(), list(model.parameters()))
+            remat.testing.measure_step(lambda: model(x).sum().backward(), list(model.parameters()))
     assert "torch.profiler is running" in caplog.text

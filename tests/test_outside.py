@@ -40,7 +40,7 @@ def _measure(model, runner, batch, hold: bool) -> tuple[int, dict[str, torch.Ten
         else:
             runner(**batch).loss.backward()
 
-    peak = remat.measure_step(step, [*model.parameters(), *model.buffers(), *batch.values()]).peak_bytes
+    peak = remat.testing.measure_step(step, [*model.parameters(), *model.buffers(), *batch.values()]).peak_bytes
     return peak, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -157,7 +157,7 @@ def test_an_unmeasured_loss_without_room_in_the_budget_raises_and_its_smallest_b
     for _ in range(2):
         step_of(rm)()
     assert rm.outside == probe.outside
-    measured = remat.measure_step(step_of(rm), keep).peak_bytes
+    measured = remat.testing.measure_step(step_of(rm), keep).peak_bytes
     assert measured <= smallest, (measured, smallest)
 
 
@@ -180,7 +180,7 @@ def test_a_head_no_loss_reads_is_not_differentiated_and_a_loss_that_reads_it_lat
         step_of(0)()
     rm.set_budget(rm.min_budget)
     step_of(0)()
-    measured = remat.measure_step(step_of(0), [*model.parameters(), x]).peak_bytes
+    measured = remat.testing.measure_step(step_of(0), [*model.parameters(), x]).peak_bytes
     assert measured <= rm.budget, (measured, rm.budget)
     assert model.side.weight.grad is None
     with pytest.raises(remat.RematError, match="differentiates output"):

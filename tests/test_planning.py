@@ -21,7 +21,7 @@ def test_planning_holds_no_more_than_its_budget(fraction: float | None) -> None:
     def plain() -> None:
         default_loss(model(sample)).backward()
 
-    step = remat.measure_step(plain, keep).peak_bytes
+    step = remat.testing.measure_step(plain, keep).peak_bytes
     budget = None if fraction is None else int(fraction * step)
     model.zero_grad(set_to_none=True)
     planned = {}
@@ -29,7 +29,7 @@ def test_planning_holds_no_more_than_its_budget(fraction: float | None) -> None:
     def planning() -> None:
         planned["rm"] = remat.Remat(model, sample, budget)
 
-    peak = remat.measure_step(planning, keep).peak_with_grads
+    peak = remat.testing.measure_step(planning, keep).peak_with_grads
     graph = planned["rm"].graph
     largest = max(sum(graph["values"][v]["bytes"] for v in n["outputs"]) for n in graph["nodes"])
     limit = step if budget is None else budget

@@ -1,5 +1,8 @@
-"""remat: optimal re-materialization (activation checkpointing) for PyTorch training."""
+"""remat: optimal re-materialization (activation checkpointing) for PyTorch training.
 
+``remat.testing`` measures a training step's memory (``measure_step``, ``cuda_peak``, ``rss_peak``)."""
+
+from . import testing
 from .backend import Backend, backend
 from .check import GraphCheck, check_graphs
 from .checkpointable import Checkpointable, Sequence
@@ -18,7 +21,6 @@ from .errors import (
     SolverError,
 )
 from .graphs import Graphs, graphs, render
-from .memory import StepMemory, cuda_peak, measure_step, rss_peak
 from .module import Remat
 
 __all__ = [
@@ -40,12 +42,9 @@ __all__ = [
     "ScheduleError",
     "Sequence",
     "SolverError",
-    "StepMemory",
     "backend",
     "check_graphs",
-    "cuda_peak",
     "graphs",
-    "measure_step",
     "render",
-    "rss_peak",
+    "testing",
 ]

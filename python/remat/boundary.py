@@ -322,7 +322,7 @@ class Window:
     peak of the bytes created there and alive at once, and which outputs it let go of.
 
     A dispatch mode follows each new storage while the window is open (the same count as
-    ``remat.measure_step``); on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``,
+    ``remat.testing.measure_step``); on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``,
     reset only on a step that measures) also sees the temporaries inside ops, and the larger of
     the two peaks is taken. The mode goes to the bottom of the thread's mode stack, so that modes
     the user enters and leaves meanwhile leave in order; autograd carries it into the loss's

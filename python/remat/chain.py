@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from .errors import DeviceMismatch, NotSequential
-from .executor import rng_state_bytes, save_rng_state
 from .memory import Allocations, peak, storage_ptrs
+from .rng import rng_state_bytes, save_rng_state
 
 
 @dataclass

@@ -20,8 +20,8 @@ from . import _core, tree
 from .capture import flatten_inputs
 from .errors import CheckError
 from .graph import JointGraph
-from .memory import measure_step
 from .module import Remat
+from .testing import measure_step
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch import nn
 from . import _core
 from .chain import Block, MeasuredChain, backward_from, device_name, flatten, measure_chain
 from .errors import InfeasibleBudget, InfeasibleMemLimit, InputMismatch, RematError
-from .executor import run_with_rng_state, save_rng_state
+from .rng import run_with_rng_state, save_rng_state
 
 
 @dataclass(frozen=True)

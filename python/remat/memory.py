@@ -1,31 +1,19 @@
-"""Measure the activation memory of a training step while it runs, on any device.
-
-Every allocation and release the step makes through PyTorch's allocators is read from the
-profiler's memory events: the outputs of ops, the temporaries inside them (a CPU dropout's float
-mask, a kernel's scratch) and compiled code's own buffers, on whichever thread (autograd's
-included). Memory alive before the step is not counted; parameter gradients are left out at
-the end of the step where asked.
-"""
+"""Allocations recorded while code runs, on any device: every allocation and release made
+through PyTorch's allocators, read from the profiler's memory events (the outputs of ops, the
+temporaries inside them, such as a CPU dropout's float mask or a kernel's scratch, and compiled
+code's own buffers, on whichever thread, autograd's included), and the peaks over them."""
 
 from __future__ import annotations
 
 import bisect
-import gc
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import record_function
 
 from .errors import RematError
-
-
-@dataclass
-class StepMemory:
-    peak_bytes: int  # activation peak: live storages created by the step, gradients excluded
-    peak_with_grads: int  # the same, parameter gradients included
 
 
 class Allocations:
@@ -105,20 +93,6 @@ def profiler_running() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
-def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemory:
-    """Run ``step()`` (forward and backward) and measure its activation memory: every allocation
-    the step makes, the temporaries inside ops and compiled code's buffers included.
-
-    ``keep``: tensors alive before the step (parameters, buffers, inputs, optimizer state); their
-    memory is not counted. Parameters' ``.grad`` after the step are what counts as gradients.
-    """
-    params = [t for t in keep if isinstance(t, torch.nn.Parameter)]
-    with Allocations() as record:
-        step()
-    grads = record.alive_at(storage_ptrs(p.grad for p in params))
-    return StepMemory(peak(record.deltas, grads), peak(record.deltas, set()))
-
-
 def storage_ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
     """The addresses of the storages of ``tensors`` (``None`` skipped)."""
     return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
@@ -134,42 +108,3 @@ def peak(deltas: list[tuple[int, int]], skip: set[int], start: int = 0, end: int
             live += delta
         high = max(high, live)
     return high - base
-
-
-def cuda_peak(step: Callable[[], None]) -> int:
-    """Bytes allocated on the current CUDA device at the peak of ``step()``, above the start."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
-
-
-def rss_peak(step: Callable[[], None]) -> int:
-    """Bytes of the process's resident memory at the peak of ``step()``, above the start (Linux).
-
-    It sees everything the process allocates, compiled code's buffers included (which a dispatch
-    mode does not), parameter gradients made by the step too. Freed memory leaves the resident
-    set only where the C allocator returns it: the process must run with
-    ``MALLOC_MMAP_THRESHOLD_=65536`` in its environment (blocks of 64 KiB and more mapped, and
-    unmapped when freed)."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        raise RematError(
-            "rss_peak needs freed tensors to leave the resident set: start the process with "
-            "MALLOC_MMAP_THRESHOLD_=65536 in its environment"
-        )
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from the current resident set
-    before = _status_bytes("VmRSS")
-    step()
-    return _status_bytes("VmHWM") - before
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RematError(f"/proc/self/status has no {field}: rss_peak needs Linux")

@@ -35,12 +35,13 @@ from .boundary import (
 )
 from .capture import flatten_inputs
 from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileError, RematError
-from .executor import Phases, build_phases, device_of, rng_state_bytes
+from .executor import Phases, build_phases, device_of
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
 from .graphs import Graphs, JointStage
 from .memory import Allocations, profiler_running, storage_ptrs
 from .plot import measured_curve, plot, predicted_curve
+from .rng import rng_state_bytes
 from .saved import Saved, fingerprint, load, path_of, save
 from .stages import planning, stage
 from .trace import captured, graph_inputs, profiled
