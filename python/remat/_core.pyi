@@ -25,6 +25,14 @@ def simulate(graph_json: str, schedule_json: str) -> str:
     forward_end_bytes, backward_start_bytes, time and recomputed_time.
     Raises remat.ScheduleError if the schedule is invalid."""
 
+def budget_bytes(budget: int | float, plain_peak: int) -> int:
+    """The one budget rule: bytes stay bytes, a fraction in (0, 1] is of ``plain_peak``; anything
+    else raises ValueError saying what a budget is."""
+
+def parse_budget(text: str) -> int | float:
+    """``"300000"``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``: bytes (an int); ``"0.4"``: a fraction.
+    Raises ValueError otherwise."""
+
 def memory_curve(graph_json: str, schedule_json: str | None = None) -> str:
     """The replay op by op (plain PyTorch's without a schedule): a JSON list of points with
     phase, op ("compute" with node, or "free" with value), bytes (alive after the op), peak

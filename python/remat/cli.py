@@ -16,7 +16,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,23 +27,13 @@ from .graphs import Graphs, JointStage, render
 from .plot import plot, predicted_curve
 from .stages import planning, stage
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
 
 def parse_budget(text: str) -> int | float:
     """``"2GiB"`` -> bytes (an int); ``"0.4"`` -> a fraction of plain PyTorch's peak."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"a budget is bytes (300000, 512MiB, 2GiB, 1.5GB) or a fraction in (0, 1], got {text!r}"
-        )
-    number = float(match.group(1))
-    if not unit and "." in match.group(1):
-        if not 0 < number <= 1:
-            raise argparse.ArgumentTypeError(f"a fractional budget lies in (0, 1], got {text}")
-        return number
-    return int(number * _UNITS[unit])
+    try:
+        return _core.parse_budget(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass
@@ -125,7 +114,7 @@ def _planned_file(path: Path, budget: int | float | None, s: _Settings) -> _Plan
     graph = json.loads(graph_json)
     with planning(path.stem, stages=1), stage(f"solve ({s.solver})"):
         min_budget, plain_peak = _core.budget_range(graph_json)
-        target = plain_peak if budget is None else int(budget * plain_peak) if isinstance(budget, float) else budget
+        target = plain_peak if budget is None else _core.budget_bytes(budget, plain_peak)
         schedule = json.loads(_core.plan(graph_json, target, s.solver, s.time_limit, s.mip_gap, s.slots))
     return _Planned(
         JointStage(graph), graph_json, schedule, None if budget is None else target, 0, min_budget, plain_peak

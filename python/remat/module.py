@@ -518,9 +518,9 @@ def _under_dynamo() -> bool:
 
 
 def check_budget(budget: int | float | None) -> None:
-    """Raise ``ValueError`` for a fraction outside (0, 1]."""
-    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(f"a fractional budget must be in (0, 1], got {budget}; pass bytes as an int")
+    """Raise ``ValueError`` for a budget that is neither bytes nor a fraction in (0, 1]."""
+    if budget is not None:
+        _core.budget_bytes(budget, 0)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:
@@ -694,7 +694,7 @@ def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int
     """The budget in bytes: a fraction is of plain PyTorch's peak, ``None`` is that peak."""
     if budget is None:
         return max(plain_peak, min_budget)
-    return int(budget * plain_peak) if isinstance(budget, float) else int(budget)
+    return _core.budget_bytes(budget, plain_peak)
 
 
 def _make_plan(

@@ -12,6 +12,9 @@ pub enum Error {
     /// No schedule keeps activation memory within `budget`; `min_budget` is the smallest one found.
     #[error("budget of {budget} bytes is infeasible: the smallest feasible budget is {min_budget} bytes")]
     Infeasible { budget: u64, min_budget: u64 },
+    /// A budget that is neither bytes nor a fraction in (0, 1].
+    #[error("{0}")]
+    Budget(String),
     /// The solver failed for a reason other than an infeasible budget.
     #[error("solver failed: {0}")]
     Solver(String),

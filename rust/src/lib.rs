@@ -15,6 +15,7 @@
 
 pub mod baseline;
 pub mod block;
+pub mod budget;
 pub mod chain;
 pub mod dp;
 pub mod error;
@@ -33,6 +34,7 @@ pub mod stages;
 #[cfg(feature = "python")]
 mod python;
 
+pub use budget::Budget;
 pub use chain::{Chain, ChainOp, ChainSequence};
 pub use error::{Error, Result};
 pub use graph::Graph;

@@ -1,7 +1,7 @@
 //! `remat._core`: JSON strings in and out; the GIL is released while planning. Only converts
 //! types: every decision is made by the Rust API.
 
-use crate::{Chain, Error, Graph, PlanOptions, Schedule, Solver};
+use crate::{Budget, Chain, Error, Graph, PlanOptions, Schedule, Solver};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -81,6 +81,37 @@ fn py_memory_curve(
     .map_err(|e| to_py_err(py, e))
 }
 
+/// A budget argument from Python: bytes (an int) or a fraction (a float).
+#[derive(FromPyObject)]
+enum BudgetArg {
+    Bytes(u64),
+    Fraction(f64),
+}
+
+/// `budget_bytes(budget, plain_peak) -> int`: bytes stay bytes, a fraction in (0, 1] is of
+/// `plain_peak`; anything else is a `ValueError` saying what a budget is.
+#[pyfunction]
+#[pyo3(name = "budget_bytes")]
+fn py_budget_bytes(py: Python<'_>, budget: BudgetArg, plain_peak: u64) -> PyResult<u64> {
+    let budget = match budget {
+        BudgetArg::Bytes(b) => Ok(Budget::Bytes(b)),
+        BudgetArg::Fraction(f) => Budget::fraction(f),
+    };
+    budget
+        .map(|b| b.bytes(plain_peak))
+        .map_err(|e| to_py_err(py, e))
+}
+
+/// `parse_budget(text) -> int | float`: `"2GiB"` is bytes, `"0.4"` a fraction.
+#[pyfunction]
+#[pyo3(name = "parse_budget")]
+fn py_parse_budget(py: Python<'_>, text: &str) -> PyResult<Py<PyAny>> {
+    match Budget::parse(text).map_err(|e| to_py_err(py, e))? {
+        Budget::Bytes(b) => Ok(b.into_pyobject(py)?.into_any().unbind()),
+        Budget::Fraction(f) => Ok(f.into_pyobject(py)?.into_any().unbind()),
+    }
+}
+
 /// `budget_range(graph_json) -> (min_budget, plain_peak)`.
 #[pyfunction]
 #[pyo3(name = "budget_range")]
@@ -137,6 +168,7 @@ fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
             Error::Graph(msg) => errors.getattr("GraphError")?.call1((msg.as_str(),))?,
             Error::Schedule(msg) => errors.getattr("ScheduleError")?.call1((msg.as_str(),))?,
             Error::Solver(msg) => errors.getattr("SolverError")?.call1((msg.as_str(),))?,
+            Error::Budget(msg) => return Ok(PyValueError::new_err(msg.clone())),
             Error::Infeasible { budget, min_budget } => errors
                 .getattr("InfeasibleBudget")?
                 .call1((*budget, *min_budget))?,
@@ -153,6 +185,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_memory_curve, m)?)?;
     m.add_function(wrap_pyfunction!(py_stages, m)?)?;
     m.add_function(wrap_pyfunction!(py_budget_range, m)?)?;
+    m.add_function(wrap_pyfunction!(py_budget_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(py_parse_budget, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_limits, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -1,15 +1,16 @@
 //! `remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] [--time-limit SECONDS]
 //! [--mip-gap GAP] [--slots N]`
 //!
-//! Reads a graph file (`docs/formats.md`), plans it under BUDGET (bytes, or a fraction in (0, 1]
-//! of plain PyTorch's peak) and prints the schedule as JSON. The crate without Python.
+//! Reads a graph file (`docs/formats.md`), plans it under BUDGET (bytes with a unit or not, or a
+//! fraction in (0, 1] of plain PyTorch's peak: [`Budget`]) and prints the schedule as JSON. The
+//! crate without Python.
 
-use remat::{budget_range, plan, Graph, PlanOptions, Solver};
+use remat::{budget_range, plan, Budget, Graph, PlanOptions, Solver};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] \
                      [--time-limit SECONDS] [--mip-gap GAP] [--slots N]\n\
-                     BUDGET: bytes, or a fraction in (0, 1] of plain PyTorch's peak";
+                     BUDGET: bytes (300000, 512MiB, 2GiB, 1.5GB), or a fraction in (0, 1] of plain PyTorch's peak";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -54,7 +55,11 @@ fn run(args: &[String]) -> Result<String, String> {
     };
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
     let graph = Graph::from_json(&text).map_err(|e| e.to_string())?;
-    let budget = bytes(&graph, budget)?;
+    let budget = Budget::parse(budget).map_err(|e| e.to_string())?;
+    let budget = match budget {
+        Budget::Bytes(b) => b,
+        Budget::Fraction(_) => budget.bytes(budget_range(&graph).map_err(|e| e.to_string())?.1),
+    };
     let schedule = plan(&graph, budget, &options).map_err(|e| e.to_string())?;
     Ok(schedule.to_json())
 }
@@ -63,20 +68,4 @@ fn number(value: Option<&String>, flag: &str) -> Result<f64, String> {
     value
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| format!("{flag} needs a number\n{USAGE}"))
-}
-
-/// BUDGET as bytes: an integer is bytes, a number in (0, 1] a fraction of the plain peak.
-fn bytes(graph: &Graph, budget: &str) -> Result<u64, String> {
-    if let Ok(b) = budget.parse::<u64>() {
-        return Ok(b);
-    }
-    match budget.parse::<f64>() {
-        Ok(f) if f > 0.0 && f <= 1.0 => {
-            let (_, plain) = budget_range(graph).map_err(|e| e.to_string())?;
-            Ok((f * plain as f64) as u64)
-        }
-        _ => Err(format!(
-            "BUDGET must be bytes or a fraction in (0, 1], got {budget}"
-        )),
-    }
 }
