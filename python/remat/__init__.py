@@ -20,8 +20,8 @@ from .errors import (
     ScheduleError,
     SolverError,
 )
-from .graphs import Graphs, graphs, render
-from .module import Remat
+from .graphs import Graphs, render
+from .module import Remat, graphs
 
 __all__ = [
     "Backend",

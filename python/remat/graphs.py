@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from torch import nn
 
 from . import _core
 from .errors import RematError
@@ -26,24 +25,6 @@ Format = Literal["svg", "png", "pdf"]
 # Fill colors of the blocks' classes, in turn.
 CLASS_COLORS = ("#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#fb9a99", "#ffff99", "#8dd3c7", "#bebada")
 PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fbe3d6"}
-
-
-def graphs(
-    model: nn.Module,
-    sample: Any,
-    *,
-    solver: str = "rockmate",
-    time_limit: float = 30.0,
-    mip_gap: float = 0.01,
-    slots: int = 500,
-) -> Graphs:
-    """Every stage remat plans from for ``model`` and ``sample``, captured and profiled as
-    ``remat.Remat`` does, with plain PyTorch's schedule (pass a budget to ``Remat`` and read
-    ``Remat.graphs`` for a planned one)."""
-    from .module import Remat
-
-    rm = Remat(model, sample, None, solver=solver, time_limit=time_limit, mip_gap=mip_gap, slots=slots)
-    return rm.graphs
 
 
 def _mib(n: float) -> str:

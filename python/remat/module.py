@@ -370,6 +370,22 @@ class Remat(nn.Module):
         )
 
 
+def graphs(
+    model: nn.Module,
+    sample: Any,
+    *,
+    solver: Solver = "rockmate",
+    time_limit: float = 30.0,
+    mip_gap: float = 0.01,
+    slots: int = 500,
+) -> Graphs:
+    """Every stage remat plans from for ``model`` and ``sample``, captured and profiled as
+    ``remat.Remat`` does, with plain PyTorch's schedule (pass a budget to ``Remat`` and read
+    ``Remat.graphs`` for a planned one)."""
+    rm = Remat(model, sample, None, solver=solver, time_limit=time_limit, mip_gap=mip_gap, slots=slots)
+    return rm.graphs
+
+
 @dataclass(frozen=True)
 class _PlanFile:
     path: Path

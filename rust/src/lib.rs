@@ -39,5 +39,5 @@ pub use chain::{Chain, ChainOp, ChainSequence};
 pub use error::{Error, Result};
 pub use graph::Graph;
 pub use plan::{budget_range, plan, PlanOptions, Solver};
-pub use schedule::{Op, Schedule, SolverInfo, SolverStatus};
-pub use simulate::{memory_curve, simulate, Point, Report};
+pub use schedule::{Op, Report, Schedule, SolverInfo, SolverStatus};
+pub use simulate::{memory_curve, simulate, Point};

@@ -346,7 +346,7 @@ fn simulated(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<Schedu
     Ok(schedule)
 }
 
-/// Whether simulated `a` is better than simulated `b` ([`crate::simulate::Report::better_than`]).
+/// Whether simulated `a` is better than simulated `b` ([`crate::schedule::Report::better_than`]).
 fn better(a: &Schedule, b: &Schedule) -> bool {
     match (a.predicted, b.predicted) {
         (Some(a), Some(b)) => a.better_than(&b),

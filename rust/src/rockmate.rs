@@ -573,7 +573,7 @@ struct Composed {
 }
 
 impl Composed {
-    fn report(&self) -> crate::simulate::Report {
+    fn report(&self) -> crate::schedule::Report {
         self.schedule.predicted.expect("simulated")
     }
 

@@ -2,7 +2,6 @@
 
 use crate::error::{Error, Result};
 use crate::graph::FORMAT_VERSION;
-use crate::simulate::Report;
 use serde::{Deserialize, Serialize};
 
 /// `schema` of a schedule file.
@@ -97,5 +96,38 @@ impl Schedule {
             schedule: self.clone(),
         };
         serde_json::to_string(&file).expect("a schedule always serializes")
+    }
+}
+
+/// What a schedule costs, as replayed by [`crate::simulate()`].
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Report {
+    /// Peak activation memory over the whole step (bytes).
+    pub peak_bytes: u64,
+    pub forward_peak_bytes: u64,
+    pub backward_peak_bytes: u64,
+    /// Bytes alive when the forward phase ends (what it hands over, and the loss's room).
+    #[serde(default)]
+    pub forward_end_bytes: u64,
+    /// Bytes alive when the backward phase starts (what the forward hands over, the tangents).
+    #[serde(default)]
+    pub backward_start_bytes: u64,
+    /// Sum of node times over all compute ops (seconds).
+    pub time: f64,
+    /// Time of the runs beyond the first of each node (seconds).
+    pub recomputed_time: f64,
+}
+
+impl Report {
+    /// Whether this schedule is better than `other`'s: faster, or as fast (to a relative 1e-9,
+    /// the rounding of sums of the same times) with a lower peak. Among plans of equal time, the
+    /// lower peak is then chosen wherever both are found, not the one found first.
+    pub fn better_than(&self, other: &Report) -> bool {
+        let tolerance = 1e-9 * self.time.abs().max(other.time.abs());
+        if (self.time - other.time).abs() <= tolerance {
+            self.peak_bytes < other.peak_bytes
+        } else {
+            self.time < other.time
+        }
     }
 }

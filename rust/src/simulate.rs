@@ -4,41 +4,8 @@
 
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Phase, ValueKind};
-use crate::schedule::{Op, Schedule};
-use serde::{Deserialize, Serialize};
-
-/// What a schedule costs, as replayed by [`simulate`].
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
-pub struct Report {
-    /// Peak activation memory over the whole step (bytes).
-    pub peak_bytes: u64,
-    pub forward_peak_bytes: u64,
-    pub backward_peak_bytes: u64,
-    /// Bytes alive when the forward phase ends (what it hands over, and the loss's room).
-    #[serde(default)]
-    pub forward_end_bytes: u64,
-    /// Bytes alive when the backward phase starts (what the forward hands over, the tangents).
-    #[serde(default)]
-    pub backward_start_bytes: u64,
-    /// Sum of node times over all compute ops (seconds).
-    pub time: f64,
-    /// Time of the runs beyond the first of each node (seconds).
-    pub recomputed_time: f64,
-}
-
-impl Report {
-    /// Whether this schedule is better than `other`'s: faster, or as fast (to a relative 1e-9,
-    /// the rounding of sums of the same times) with a lower peak. Among plans of equal time, the
-    /// lower peak is then chosen wherever both are found, not the one found first.
-    pub fn better_than(&self, other: &Report) -> bool {
-        let tolerance = 1e-9 * self.time.abs().max(other.time.abs());
-        if (self.time - other.time).abs() <= tolerance {
-            self.peak_bytes < other.peak_bytes
-        } else {
-            self.time < other.time
-        }
-    }
-}
+use crate::schedule::{Op, Report, Schedule};
+use serde::Serialize;
 
 /// One op of a replay: the bytes alive after it, and at its height (its temporaries included).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
