@@ -274,7 +274,7 @@ class Remat(nn.Module):
         memory (allocator events, parameter gradients left out) is drawn over the prediction. It
         runs the plan's phases eagerly, an op at a time, also where they are compiled."""
         if self._plan is None:
-            raise RematError('nothing is planned (solver="none" or no budget): there is no schedule to plot')
+            raise RematError('solver="none" plans nothing: there is no schedule to plot; pass another solver')
         measured = None
         if step is not None:
             self._marking = True
