@@ -20,7 +20,7 @@ from . import _core, tree
 from .capture import flatten_inputs
 from .errors import CheckError
 from .graph import JointGraph
-from .module import Remat
+from .module import Remat, _as_call
 from .testing import measure_step
 
 
@@ -93,7 +93,7 @@ def _check(
     options: dict[str, Any],
 ) -> GraphCheck:
     rtol, atol = tolerance
-    args, kwargs = _call(sample)
+    args, kwargs = _as_call(sample)
     state = copy.deepcopy(model.state_dict())
     expected = _step(model, model, state, args, kwargs, loss)
     if options.get("solver") == "none":
@@ -240,12 +240,6 @@ class _Result:
     outputs: list[torch.Tensor]
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
-
-
-def _call(sample: Any) -> tuple[tuple, dict]:
-    if isinstance(sample, dict):
-        return (), sample
-    return (sample if isinstance(sample, tuple) else (sample,)), {}
 
 
 def _run(model: nn.Module, runner: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> Any:
