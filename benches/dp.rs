@@ -8,7 +8,7 @@
 
 use criterion::{criterion_group, BenchmarkId, Criterion};
 use remat::chain::{Block, BlockOption, Chain};
-use remat::dp::{limits, solve};
+use remat::solve::dp::{limits, solve};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

@@ -2,33 +2,27 @@
 //! activations to keep and which to recompute under a memory budget, and returns a schedule that
 //! the simulator has replayed.
 //!
-//! Stages: [`graph`] (read and validate) → [`simplify`] (fold views into groups) → solvers
-//! ([`baseline`], [`ilp`]) returning a [`expand::StagePlan`] → [`expand`] (node-level
-//! [`Schedule`]) → [`simulate`] (check and measure). [`plan()`] ties them together; `python.rs`
-//! exposes it as `remat._core`.
-//!
-//! [`stages::stages`] gives the simplified graph, the blocks and their classes for display.
-//!
-//! Sequential models (rotor's `Checkpointable`): a [`chain::Chain`] of measured blocks →
-//! [`dp`] (rotor's persistent DP over blocks with options) → a [`chain::ChainSequence`] replayed
-//! by [`chain::Chain::simulate`].
+//! The folders follow the data flow:
+//! - [`graph`]: the graph file (read and validate) and [`graph::simplify`] (views folded into
+//!   groups, trivial chains fused; where the solvers may recompute).
+//! - [`solve`]: the solvers over the simplified graph, each returning a
+//!   [`schedule::expand::StagePlan`]: [`solve::baseline`] (plain PyTorch, keep nothing),
+//!   [`solve::ilp`] (Checkmate's whole-graph ILP), [`solve::rockmate`] (the partition into blocks,
+//!   per-block options, [`solve::dp`] over the chain of blocks); [`plan()`] ties them together.
+//! - [`schedule`]: the node-level [`Schedule`], its expansion from a stage plan
+//!   ([`schedule::expand`]) and the one simulator ([`simulate()`]: check and measure).
+//! - [`chain`]: sequential models (rotor's `Checkpointable`), a [`Chain`] of measured blocks
+//!   planned by [`solve::dp`] into a [`ChainSequence`].
+//! - [`budget`] (the one budget rule), [`stages`] (the planner's stages for display), `python.rs`
+//!   (`remat._core`).
 
-pub mod baseline;
-pub mod block;
 pub mod budget;
 pub mod chain;
-pub mod dp;
 pub mod error;
-pub mod expand;
 pub mod graph;
-pub mod ilp;
 pub mod parallel;
-pub mod partition;
-pub mod plan;
-pub mod rockmate;
 pub mod schedule;
-pub mod simplify;
-pub mod simulate;
+pub mod solve;
 pub mod stages;
 
 #[cfg(feature = "python")]
@@ -38,6 +32,6 @@ pub use budget::Budget;
 pub use chain::{Chain, ChainOp, ChainSequence};
 pub use error::{Error, Result};
 pub use graph::Graph;
-pub use plan::{budget_range, plan, PlanOptions, Solver};
+pub use schedule::simulate::{memory_curve, simulate, Point};
 pub use schedule::{Op, Report, Schedule, SolverInfo, SolverStatus};
-pub use simulate::{memory_curve, simulate, Point};
+pub use solve::plan::{budget_range, plan, PlanOptions, Solver};

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 /// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`:
 /// the schedule JSON.
 #[pyfunction]
-#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::solve::dp::DEFAULT_SLOTS))]
 fn py_plan(
     py: Python<'_>,
     graph_json: String,
@@ -29,7 +29,7 @@ fn py_plan(
 /// `stages(graph_json, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
 /// simplified graph, the blocks and their classes with their options, as JSON.
 #[pyfunction]
-#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::solve::dp::DEFAULT_SLOTS))]
 fn py_stages(
     py: Python<'_>,
     graph_json: String,
@@ -73,7 +73,7 @@ fn py_memory_curve(
         let graph = Graph::from_json(&graph_json)?;
         let schedule = match schedule_json {
             Some(json) => Schedule::from_json(&json)?,
-            None => crate::plan::store_all(&graph)?,
+            None => crate::solve::plan::store_all(&graph)?,
         };
         let points = crate::memory_curve(&graph, &schedule)?;
         Ok(serde_json::to_string(&points).expect("a curve always serializes"))
@@ -122,7 +122,7 @@ fn py_budget_range(py: Python<'_>, graph_json: String) -> PyResult<(u64, u64)> {
 
 /// `chain_plan(chain_json, mem_limit, slots=500) -> str`: rotor's DP; the chain sequence JSON.
 #[pyfunction]
-#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = crate::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = crate::solve::dp::DEFAULT_SLOTS))]
 fn py_chain_plan(
     py: Python<'_>,
     chain_json: String,
@@ -131,16 +131,16 @@ fn py_chain_plan(
 ) -> PyResult<String> {
     py.detach(|| {
         let chain = Chain::from_json(&chain_json)?;
-        crate::dp::solve(&chain, mem_limit, slots).map(|s| s.to_json())
+        crate::solve::dp::solve(&chain, mem_limit, slots).map(|s| s.to_json())
     })
     .map_err(|e| to_py_err(py, e))
 }
 
 /// `chain_limits(chain_json, slots=500) -> (min_limit, plain_peak)`.
 #[pyfunction]
-#[pyo3(name = "chain_limits", signature = (chain_json, slots = crate::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "chain_limits", signature = (chain_json, slots = crate::solve::dp::DEFAULT_SLOTS))]
 fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult<(u64, u64)> {
-    py.detach(|| crate::dp::limits(&Chain::from_json(&chain_json)?, slots))
+    py.detach(|| crate::solve::dp::limits(&Chain::from_json(&chain_json)?, slots))
         .map_err(|e| to_py_err(py, e))
 }
 

@@ -3,11 +3,11 @@
 //! identical blocks with the options Rockmate's search found for each. They are the planner's
 //! own objects ([`simplify`], [`partition`], [`Hierarchy`]), converted, not built again.
 
+use crate::graph::simplify::simplify;
 use crate::graph::{Graph, Phase};
-use crate::partition::partition;
-use crate::plan::PlanOptions;
-use crate::rockmate::Hierarchy;
-use crate::simplify::simplify;
+use crate::solve::plan::PlanOptions;
+use crate::solve::rockmate::partition::partition;
+use crate::solve::rockmate::Hierarchy;
 use crate::{Result, SolverStatus};
 use serde::Serialize;
 
@@ -76,7 +76,7 @@ pub struct OptionStage {
 
 /// The stages of `graph` as the hierarchical solvers build them with `options`.
 pub fn stages(graph: &Graph, options: &PlanOptions) -> Result<Stages> {
-    crate::plan::check_options(options)?;
+    crate::solve::plan::check_options(options)?;
     let sg = simplify(graph);
     let hierarchy_options = options.hierarchy();
     let part = partition(&sg, hierarchy_options.partition);

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use remat::chain::{
     notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill, Split,
 };
-use remat::dp::{limits, min_limit, solve, Solver, DEFAULT_SLOTS};
+use remat::solve::dp::{limits, min_limit, solve, Solver, DEFAULT_SLOTS};
 use remat::Error;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};

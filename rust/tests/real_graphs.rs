@@ -4,7 +4,7 @@
 mod common;
 
 use common::budget_at;
-use remat::plan::min_memory;
+use remat::solve::plan::min_memory;
 use remat::{budget_range, plan, Graph, PlanOptions, Solver, SolverStatus};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -220,8 +220,9 @@ fn report_solve_times() {
         let g = load(name);
         if options.solver != remat::Solver::Checkmate {
             let start = Instant::now();
-            let sg = remat::simplify::simplify(&g);
-            let h = remat::rockmate::Hierarchy::build(&g, &sg, &options.hierarchy()).unwrap();
+            let sg = remat::graph::simplify::simplify(&g);
+            let h =
+                remat::solve::rockmate::Hierarchy::build(&g, &sg, &options.hierarchy()).unwrap();
             let sizes: Vec<usize> = h.blocks.iter().map(|b| b.sg.groups.len()).collect();
             let options_per_class: Vec<usize> = h.options.iter().map(|o| o.len()).collect();
             eprintln!(
@@ -255,7 +256,11 @@ fn report_solve_times() {
                 );
             }
         }
-        let plain = remat::plan::store_all(&g).unwrap().predicted.unwrap().time;
+        let plain = remat::solve::plan::store_all(&g)
+            .unwrap()
+            .predicted
+            .unwrap()
+            .time;
         let fractions = std::env::var("REMAT_FRACTIONS").unwrap_or("0.6,0.3,0.05".into());
         for fraction in fractions.split(',').map(|f| f.parse::<f64>().unwrap()) {
             let budget = budget_at(&g, fraction);
@@ -284,14 +289,14 @@ fn leaves_and_split_backwards_compose_valid_schedules() {
     use remat::chain::ChainOp;
     for name in ["gpt2_2l", "encoder_2l"] {
         let g = load(name);
-        let sg = remat::simplify::simplify(&g);
+        let sg = remat::graph::simplify::simplify(&g);
         let options = PlanOptions::default().hierarchy();
-        let h = remat::rockmate::Hierarchy::build(&g, &sg, &options).unwrap();
-        let (lo, hi) = remat::dp::limits(&h.chain, options.slots).unwrap();
+        let h = remat::solve::rockmate::Hierarchy::build(&g, &sg, &options).unwrap();
+        let (lo, hi) = remat::solve::dp::limits(&h.chain, options.slots).unwrap();
         let (mut leaves, mut splits) = (0, 0);
         for k in 0..=20u64 {
             let limit = lo + (hi - lo) * k / 20;
-            let sequence = remat::dp::solve(&h.chain, limit, options.slots).unwrap();
+            let sequence = remat::solve::dp::solve(&h.chain, limit, options.slots).unwrap();
             let count = |f: fn(&ChainOp) -> bool| sequence.ops.iter().filter(|op| f(op)).count();
             leaves += count(|op| matches!(op, ChainOp::ForwardBackward { .. }));
             splits += count(|op| matches!(op, ChainOp::BackwardFirst { .. }));

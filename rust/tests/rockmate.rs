@@ -5,10 +5,10 @@ mod common;
 
 use common::{budget_at, Builder};
 use proptest::prelude::*;
+use remat::graph::simplify::{simplify, SimpleGraph};
 use remat::graph::{Graph, OutputKind, Phase};
-use remat::partition::{partition, PartitionOptions};
-use remat::rockmate::{plan_blocks, Hierarchy, HierarchyOptions};
-use remat::simplify::{simplify, SimpleGraph};
+use remat::solve::rockmate::partition::{partition, PartitionOptions};
+use remat::solve::rockmate::{plan_blocks, Hierarchy, HierarchyOptions};
 use remat::{plan, simulate, PlanOptions, Schedule, Solver};
 
 /// One residual layer's sizes and times: `a = f(h)`, `b = g(a)`, `h' = h + b`.
@@ -278,7 +278,7 @@ fn a_finer_partition_is_planned_too_when_its_chain_is_short() {
     let budget = budget_at(&g, 0.2);
     let options = PlanOptions::default().hierarchy();
     let joined = Hierarchy::build(&g, &sg, &options).unwrap();
-    let fine = remat::rockmate::finer_partition(&sg, &options, &joined.partition);
+    let fine = remat::solve::rockmate::finer_partition(&sg, &options, &joined.partition);
     let fine = fine.expect("a finer partition of at most 24 blocks");
     assert!(fine.len() > joined.chain.len(), "{} blocks", fine.len());
     let time = |h: &Hierarchy| {
@@ -474,10 +474,10 @@ fn report_one_net() {
     eprintln!("hierarchy {:?}", ours.predicted.unwrap());
     eprintln!("  B: {}", backward_names(&g, &ours));
     let (sg, h, options) = small_hierarchy(&g);
-    let (low, high) = remat::dp::limits(&h.chain, options.slots).unwrap();
+    let (low, high) = remat::solve::dp::limits(&h.chain, options.slots).unwrap();
     for k in 0..=16 {
         let limit = low + (high - low) / 16 * k;
-        let sequence = remat::dp::solve(&h.chain, limit, options.slots).unwrap();
+        let sequence = remat::solve::dp::solve(&h.chain, limit, options.slots).unwrap();
         let (ops, chain) = (remat::chain::notation(&sequence.ops), sequence.predicted);
         let composed = h.schedule_of(&g, &sg, Ok(sequence)).unwrap().unwrap();
         let composed = composed.predicted.unwrap();

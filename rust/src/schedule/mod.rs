@@ -4,6 +4,9 @@ use crate::error::{Error, Result};
 use crate::graph::FORMAT_VERSION;
 use serde::{Deserialize, Serialize};
 
+pub mod expand;
+pub mod simulate;
+
 /// `schema` of a schedule file.
 pub const SCHEDULE_SCHEMA: &str = "remat.schedule";
 
@@ -77,7 +80,7 @@ impl Schedule {
     }
 
     /// Parses a schedule file; node and value ids are checked against a graph by
-    /// [`crate::simulate::simulate`].
+    /// [`crate::schedule::simulate::simulate`].
     pub fn from_json(text: &str) -> Result<Schedule> {
         let raw: serde_json::Value =
             serde_json::from_str(text).map_err(|e| Error::Schedule(format!("not JSON: {e}")))?;

@@ -11,9 +11,9 @@
 //! stage's group reads; `S` bits are shared across stages that do not touch a storage.
 
 use crate::error::{Error, Result};
-use crate::expand::{Stage, StagePlan};
+use crate::graph::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
+use crate::schedule::expand::{Stage, StagePlan};
 use crate::schedule::SolverStatus;
-use crate::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
 use good_lp::solvers::highs::highs;
 use good_lp::{
     variable, Constraint, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus,

@@ -7,19 +7,22 @@
 //! limit is searched for the fastest composed schedule whose simulated peak fits the budget;
 //! then single blocks' options are changed where that makes it faster ([`polish`]).
 
-use crate::block::{self, OptionPlan, OptionSearch, RefillPlan, SubProblem};
 use crate::chain::{
     Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill, Split,
 };
-use crate::dp;
 use crate::error::Result;
-use crate::expand::schedule_of_sequence;
+use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::graph::Graph;
-use crate::partition::{partition, Partition, PartitionOptions};
+use crate::schedule::expand::schedule_of_sequence;
+use crate::schedule::simulate::simulate;
 use crate::schedule::{Schedule, SolverStatus};
-use crate::simplify::{Hold, SimpleGraph};
-use crate::simulate::simulate;
+use crate::solve::dp;
+use block::{OptionPlan, OptionSearch, RefillPlan, SubProblem};
+use partition::{partition, Partition, PartitionOptions};
 use std::collections::HashMap;
+
+pub mod block;
+pub mod partition;
 
 /// Settings of the hierarchical solvers.
 #[derive(Debug, Clone, Copy, PartialEq)]

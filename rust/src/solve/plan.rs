@@ -1,16 +1,16 @@
 //! The entry point: a graph and a budget in, a simulated schedule out.
 
-use crate::baseline;
-use crate::block::OptionSearch;
 use crate::error::{Error, Result};
-use crate::expand::{schedule_of, StagePlan};
+use crate::graph::simplify::{simplify, Recompute, SimpleGraph, StageRuns};
 use crate::graph::Graph;
-use crate::ilp;
-use crate::partition::{partition, PartitionOptions};
-use crate::rockmate::{self, Hierarchy, HierarchyOptions};
+use crate::schedule::expand::{schedule_of, StagePlan};
+use crate::schedule::simulate::simulate;
 use crate::schedule::{Schedule, SolverInfo, SolverStatus};
-use crate::simplify::{simplify, Recompute, SimpleGraph, StageRuns};
-use crate::simulate::simulate;
+use crate::solve::baseline;
+use crate::solve::ilp;
+use crate::solve::rockmate::block::OptionSearch;
+use crate::solve::rockmate::partition::{partition, PartitionOptions};
+use crate::solve::rockmate::{self, Hierarchy, HierarchyOptions};
 use std::time::Instant;
 
 /// Which solver plans.
@@ -67,7 +67,7 @@ impl Default for PlanOptions {
             solver: Solver::Rockmate,
             time_limit: 30.0,
             mip_gap: 0.01,
-            slots: crate::dp::DEFAULT_SLOTS,
+            slots: crate::solve::dp::DEFAULT_SLOTS,
         }
     }
 }
@@ -320,7 +320,7 @@ pub(crate) fn check_options(options: &PlanOptions) -> Result<()> {
         slots,
         ..
     } = *options;
-    crate::dp::check_slots(slots)?;
+    crate::solve::dp::check_slots(slots)?;
     if time_limit.is_nan() || time_limit <= 0.0 {
         return Err(Error::Solver(format!(
             "time_limit must be > 0 seconds, got {time_limit}"

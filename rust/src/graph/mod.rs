@@ -4,6 +4,7 @@
 //! it, so every other module may rely on its invariants (dense ids, topological order, one
 //! producer per activation, aliases pointing at storage owners).
 
+pub mod simplify;
 mod validate;
 
 pub(crate) use validate::check_header;

@@ -1,8 +1,8 @@
 //! The two reference plans every budget is measured against: plain PyTorch (`store_all`) and
 //! keep-nothing recomputation (`min_memory`).
 
-use crate::expand::{Stage, StagePlan};
-use crate::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
+use crate::graph::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
+use crate::schedule::expand::{Stage, StagePlan};
 
 /// Plain PyTorch: each group runs once; each storage is freed after its last user.
 pub fn store_all(sg: &SimpleGraph) -> StagePlan {

@@ -7,9 +7,9 @@
 //! the next stage.
 
 use crate::error::{Error, Result};
+use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::graph::{Graph, Phase, ValueKind};
 use crate::schedule::{Op, Schedule};
-use crate::simplify::{Hold, SimpleGraph};
 use std::collections::HashMap;
 
 /// What one stage runs and keeps.

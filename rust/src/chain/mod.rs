@@ -5,7 +5,7 @@
 //! [`BlockOption`]s), which stores `xbar_{i+1}`: the output and what autograd saves for `B`.
 //! `B(i)` turns the gradient `δ_{i+1}` into `δ_i` and releases `xbar_{i+1}`. rotor has one option
 //! per block (store everything autograd saves); the Rockmate solver gives several, found by
-//! per-block ILPs, and both use [`crate::dp`].
+//! per-block ILPs, and both use [`crate::solve::dp`].
 //!
 //! This module owns the memory model and its one replay, [`Chain::simulate`]; the DP follows the
 //! same rules (`docs/checkpointable.md`):

@@ -7,13 +7,13 @@
 //! whole sub-problem and count nothing here (the chain counts them in its sizes, or as held),
 //! nor do storages held for the whole step (model outputs).
 
-use crate::baseline;
-use crate::expand::StagePlan;
+use crate::graph::simplify::{Group, Hold, Recompute, SimpleGraph, Storage};
 use crate::graph::{Graph, Phase};
-use crate::ilp;
-use crate::partition::Partition;
+use crate::schedule::expand::StagePlan;
 use crate::schedule::SolverStatus;
-use crate::simplify::{Group, Hold, Recompute, SimpleGraph, Storage};
+use crate::solve::baseline;
+use crate::solve::ilp;
+use crate::solve::rockmate::partition::Partition;
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -425,7 +425,7 @@ pub fn nograd_plan(sub: &SimpleGraph) -> OptionPlan {
 /// The group sequences of a stage plan.
 fn option_of(sub: &SimpleGraph, plan: &StagePlan) -> OptionPlan {
     let fb = sub.first_backward;
-    let flat = |stages: &[crate::expand::Stage]| -> Vec<usize> {
+    let flat = |stages: &[crate::schedule::expand::Stage]| -> Vec<usize> {
         stages
             .iter()
             .flat_map(|s| s.compute.iter().copied())

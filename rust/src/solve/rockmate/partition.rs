@@ -13,7 +13,7 @@
 //! Rockmate from 8.8% to 0.7% of the optimum at the smallest budgets), and while there are too
 //! many blocks.
 
-use crate::simplify::{Hold, SimpleGraph};
+use crate::graph::simplify::{Hold, SimpleGraph};
 
 /// Partition settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
