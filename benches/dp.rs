@@ -7,8 +7,8 @@
 //! the time `O(slots · L³)`, too long for criterion's repeated samples.
 
 use criterion::{criterion_group, BenchmarkId, Criterion};
-use remat::chain::{Block, BlockOption, Chain};
-use remat::solve::dp::{limits, solve};
+use remat::testing::dp::{limits, solve};
+use remat::{Block, BlockOption, Chain};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

@@ -97,7 +97,7 @@ def test_without_dot_the_error_says_how_to_install_it(monkeypatch: pytest.Monkey
 def test_bad_solver_settings_are_refused_with_what_is_allowed() -> None:
     model, x = gpt2()
     rm = remat.Remat(model, x, None)
-    with pytest.raises(remat.SolverError, match="time_limit must be > 0"):
+    with pytest.raises(remat.ArgumentError, match="time_limit must be > 0"):
         remat._core.stages(rm._plan.graph_json, time_limit=0.0)
 
 

@@ -7,6 +7,7 @@ from .backend import Backend, backend
 from .check import GraphCheck, check_graphs
 from .checkpointable import Checkpointable, Sequence
 from .errors import (
+    ArgumentError,
     CaptureError,
     CheckError,
     DeviceMismatch,
@@ -25,6 +26,7 @@ from .module import Remat, graphs
 
 __all__ = [
     "Backend",
+    "ArgumentError",
     "CaptureError",
     "CheckError",
     "Checkpointable",

@@ -65,3 +65,20 @@ def chain_plan(chain_json: str, mem_limit: int, slots: int = 500) -> str:
 
 def chain_limits(chain_json: str, slots: int = 500) -> tuple[int, int]:
     """(smallest feasible limit with ``slots`` slots, plain PyTorch's peak) in bytes."""
+
+def check_options(
+    solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
+    time_limit: float = 30.0,
+    mip_gap: float = 0.01,
+    slots: int = 500,
+) -> None:
+    """Raises remat.ArgumentError, saying what is allowed, where a setting of ``plan`` is bad."""
+
+def register_errors(
+    graph: type[Exception],
+    schedule: type[Exception],
+    infeasible: type[Exception],
+    argument: type[Exception],
+    solver: type[Exception],
+) -> None:
+    """The classes each Rust error is raised as (called once, by ``remat.errors``)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from remat import _core
+
 
 class RematError(Exception):
     """Base class of every error remat raises."""
@@ -17,6 +19,11 @@ class ScheduleError(RematError):
 
 class SolverError(RematError):
     """A solver failed for a reason other than an infeasible budget."""
+
+
+class ArgumentError(RematError, ValueError):
+    """A bad argument: a budget, a solver's name or one of its settings (the message says what is
+    allowed)."""
 
 
 class InfeasibleBudget(RematError):
@@ -92,3 +99,6 @@ class InfeasibleMemLimit(InfeasibleBudget):
             f"chain and sample is {self.min_budget} bytes ({self.min_budget / 2**20:.2f} MiB); "
             f"pass mem_limit >= {self.min_budget}",
         )
+
+
+_core.register_errors(GraphError, ScheduleError, InfeasibleBudget, ArgumentError, SolverError)

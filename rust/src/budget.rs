@@ -23,12 +23,12 @@ const UNITS: [(&str, u64); 8] = [
 ];
 
 impl Budget {
-    /// A fraction of plain PyTorch's peak; outside (0, 1] it is an [`Error::Budget`].
+    /// A fraction of plain PyTorch's peak; outside (0, 1] it is an [`Error::Argument`].
     pub fn fraction(f: f64) -> Result<Budget> {
         if f > 0.0 && f <= 1.0 {
             Ok(Budget::Fraction(f))
         } else {
-            Err(Error::Budget(format!(
+            Err(Error::Argument(format!(
                 "a fractional budget lies in (0, 1], got {f}; pass bytes as a whole number"
             )))
         }
@@ -37,7 +37,7 @@ impl Budget {
     /// `"300000"`, `"512MiB"`, `"2GiB"`, `"1.5GB"`: bytes; `"0.4"`: a fraction.
     pub fn parse(text: &str) -> Result<Budget> {
         let bad = || {
-            Error::Budget(format!(
+            Error::Argument(format!(
                 "a budget is bytes (300000, 512MiB, 2GiB, 1.5GB) or a fraction in (0, 1], got {text:?}"
             ))
         };

@@ -1,4 +1,5 @@
-//! The one error type of the crate; `python.rs` maps each variant to a `remat.errors` class.
+//! The one error type of the crate; `python.rs` raises each variant as the `remat.errors` class
+//! registered for it.
 
 /// Everything that can go wrong while reading, simulating or planning.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -12,9 +13,9 @@ pub enum Error {
     /// No schedule keeps activation memory within `budget`; `min_budget` is the smallest one found.
     #[error("budget of {budget} bytes is infeasible: the smallest feasible budget is {min_budget} bytes")]
     Infeasible { budget: u64, min_budget: u64 },
-    /// A budget that is neither bytes nor a fraction in (0, 1].
+    /// A bad argument (a budget, a solver's name or setting); the message says what is allowed.
     #[error("{0}")]
-    Budget(String),
+    Argument(String),
     /// The solver failed for a reason other than an infeasible budget.
     #[error("solver failed: {0}")]
     Solver(String),

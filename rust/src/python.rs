@@ -2,13 +2,15 @@
 //! types: every decision is made by the Rust API.
 
 use crate::{Budget, Chain, Error, Graph, PlanOptions, Schedule, Solver};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 /// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`:
 /// the schedule JSON.
 #[pyfunction]
-#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::solve::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::DEFAULT_SLOTS))]
 fn py_plan(
     py: Python<'_>,
     graph_json: String,
@@ -29,7 +31,7 @@ fn py_plan(
 /// `stages(graph_json, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
 /// simplified graph, the blocks and their classes with their options, as JSON.
 #[pyfunction]
-#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::solve::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::DEFAULT_SLOTS))]
 fn py_stages(
     py: Python<'_>,
     graph_json: String,
@@ -41,7 +43,7 @@ fn py_stages(
     let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
     py.detach(|| {
         let graph = Graph::from_json(&graph_json)?;
-        let stages = crate::stages::stages(&graph, &options)?;
+        let stages = crate::stages(&graph, &options)?;
         Ok(serde_json::to_string(&stages).expect("stages always serialize"))
     })
     .map_err(|e| to_py_err(py, e))
@@ -73,7 +75,7 @@ fn py_memory_curve(
         let graph = Graph::from_json(&graph_json)?;
         let schedule = match schedule_json {
             Some(json) => Schedule::from_json(&json)?,
-            None => crate::solve::plan::store_all(&graph)?,
+            None => crate::store_all(&graph)?,
         };
         let points = crate::memory_curve(&graph, &schedule)?;
         Ok(serde_json::to_string(&points).expect("a curve always serializes"))
@@ -122,7 +124,7 @@ fn py_budget_range(py: Python<'_>, graph_json: String) -> PyResult<(u64, u64)> {
 
 /// `chain_plan(chain_json, mem_limit, slots=500) -> str`: rotor's DP; the chain sequence JSON.
 #[pyfunction]
-#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = crate::solve::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = crate::DEFAULT_SLOTS))]
 fn py_chain_plan(
     py: Python<'_>,
     chain_json: String,
@@ -131,20 +133,34 @@ fn py_chain_plan(
 ) -> PyResult<String> {
     py.detach(|| {
         let chain = Chain::from_json(&chain_json)?;
-        crate::solve::dp::solve(&chain, mem_limit, slots).map(|s| s.to_json())
+        crate::plan_chain(&chain, mem_limit, slots).map(|s| s.to_json())
     })
     .map_err(|e| to_py_err(py, e))
 }
 
 /// `chain_limits(chain_json, slots=500) -> (min_limit, plain_peak)`.
 #[pyfunction]
-#[pyo3(name = "chain_limits", signature = (chain_json, slots = crate::solve::dp::DEFAULT_SLOTS))]
+#[pyo3(name = "chain_limits", signature = (chain_json, slots = crate::DEFAULT_SLOTS))]
 fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult<(u64, u64)> {
-    py.detach(|| crate::solve::dp::limits(&Chain::from_json(&chain_json)?, slots))
+    py.detach(|| crate::chain_limits(&Chain::from_json(&chain_json)?, slots))
         .map_err(|e| to_py_err(py, e))
 }
 
-/// The solver settings of `plan` and `stages`.
+/// `check_options(solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500)`: raises
+/// `remat.ArgumentError` saying what is allowed where a setting is bad.
+#[pyfunction]
+#[pyo3(name = "check_options", signature = (solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::DEFAULT_SLOTS))]
+fn py_check_options(
+    py: Python<'_>,
+    solver: &str,
+    time_limit: f64,
+    mip_gap: f64,
+    slots: usize,
+) -> PyResult<()> {
+    plan_options(py, solver, time_limit, mip_gap, slots).map(|_| ())
+}
+
+/// The solver settings of `plan` and `stages`, checked ([`PlanOptions::check`]).
 fn plan_options(
     py: Python<'_>,
     solver: &str,
@@ -152,30 +168,71 @@ fn plan_options(
     mip_gap: f64,
     slots: usize,
 ) -> PyResult<PlanOptions> {
-    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
-    Ok(PlanOptions {
+    let options = Solver::from_name(solver).map(|solver| PlanOptions {
         solver,
         time_limit,
         mip_gap,
         slots,
-    })
+    });
+    options
+        .and_then(|o| o.check().map(|()| o))
+        .map_err(|e| to_py_err(py, e))
 }
 
-/// The `remat.errors` exception for `err` (`ValueError` if that module cannot be imported).
+/// remat's exception classes, one per [`Error`] variant, registered once by `remat.errors`.
+struct ErrorClasses {
+    graph: Py<PyType>,
+    schedule: Py<PyType>,
+    infeasible: Py<PyType>,
+    argument: Py<PyType>,
+    solver: Py<PyType>,
+}
+
+static ERROR_CLASSES: PyOnceLock<ErrorClasses> = PyOnceLock::new();
+
+/// `register_errors(graph, schedule, infeasible, argument, solver)`: the classes each Rust error
+/// is raised as (called once, by `remat.errors`).
+#[pyfunction]
+#[pyo3(name = "register_errors")]
+fn py_register_errors(
+    py: Python<'_>,
+    graph: Py<PyType>,
+    schedule: Py<PyType>,
+    infeasible: Py<PyType>,
+    argument: Py<PyType>,
+    solver: Py<PyType>,
+) {
+    let classes = ErrorClasses {
+        graph,
+        schedule,
+        infeasible,
+        argument,
+        solver,
+    };
+    // A second registration (a reloaded `remat.errors`) keeps the first classes.
+    let _ = ERROR_CLASSES.set(py, classes);
+}
+
+/// The registered `remat.errors` exception for `err`.
 fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
-    let raised = py.import("remat.errors").and_then(|errors| {
-        let instance = match &err {
-            Error::Graph(msg) => errors.getattr("GraphError")?.call1((msg.as_str(),))?,
-            Error::Schedule(msg) => errors.getattr("ScheduleError")?.call1((msg.as_str(),))?,
-            Error::Solver(msg) => errors.getattr("SolverError")?.call1((msg.as_str(),))?,
-            Error::Budget(msg) => return Ok(PyValueError::new_err(msg.clone())),
-            Error::Infeasible { budget, min_budget } => errors
-                .getattr("InfeasibleBudget")?
-                .call1((*budget, *min_budget))?,
-        };
-        Ok(PyErr::from_value(instance))
-    });
-    raised.unwrap_or_else(|_| PyValueError::new_err(err.to_string()))
+    let Some(classes) = ERROR_CLASSES.get(py) else {
+        return PyRuntimeError::new_err(format!(
+            "{err} (remat._core was loaded without remat.errors: import remat first)"
+        ));
+    };
+    let raised = match &err {
+        Error::Graph(msg) => classes.graph.bind(py).call1((msg.as_str(),)),
+        Error::Schedule(msg) => classes.schedule.bind(py).call1((msg.as_str(),)),
+        Error::Argument(msg) => classes.argument.bind(py).call1((msg.as_str(),)),
+        Error::Solver(msg) => classes.solver.bind(py).call1((msg.as_str(),)),
+        Error::Infeasible { budget, min_budget } => {
+            classes.infeasible.bind(py).call1((*budget, *min_budget))
+        }
+    };
+    match raised {
+        Ok(instance) => PyErr::from_value(instance),
+        Err(e) => e,
+    }
 }
 
 #[pymodule]
@@ -189,6 +246,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_parse_budget, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_limits, m)?)?;
+    m.add_function(wrap_pyfunction!(py_check_options, m)?)?;
+    m.add_function(wrap_pyfunction!(py_register_errors, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -76,7 +76,7 @@ pub struct OptionStage {
 
 /// The stages of `graph` as the hierarchical solvers build them with `options`.
 pub fn stages(graph: &Graph, options: &PlanOptions) -> Result<Stages> {
-    crate::solve::plan::check_options(options)?;
+    options.check()?;
     let sg = simplify(graph);
     let hierarchy_options = options.hierarchy();
     let part = partition(&sg, hierarchy_options.partition);

@@ -2,11 +2,11 @@
 //! simulator accepts under the limit, and a few cases whose answer is known.
 
 use proptest::prelude::*;
-use remat::chain::{
-    notation, Block, BlockOption, Chain, ChainOp, ChainReport, ChainSequence, Leaf, Refill, Split,
-};
-use remat::solve::dp::{limits, min_limit, solve, Solver, DEFAULT_SLOTS};
+use remat::testing::dp::{limits, min_limit, solve, Solver, DEFAULT_SLOTS};
 use remat::Error;
+use remat::{
+    notation, Block, BlockOption, Chain, ChainOp, ChainSequence, Leaf, Refill, Report, Split,
+};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -1052,7 +1052,7 @@ fn check_valid(
     chain: &Chain,
     sequence: &ChainSequence,
     limit: u64,
-) -> Result<ChainReport, TestCaseError> {
+) -> Result<Report, TestCaseError> {
     let replay = chain.simulate(&sequence.ops).unwrap();
     prop_assert!(replay.peak_bytes <= limit);
     let mut recomputed = sequence.ops.iter().filter_map(no_grad);

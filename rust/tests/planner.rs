@@ -5,16 +5,16 @@ mod common;
 
 use common::{budget_at, chain, Builder};
 use proptest::prelude::*;
-use remat::graph::simplify::Recompute;
-use remat::graph::{OutputKind, Phase};
-use remat::solve::plan::{min_memory, store_all};
+use remat::testing::recompute::Recompute;
 use remat::{budget_range, plan, simulate, Error, Graph, PlanOptions, Schedule, SolverStatus};
+use remat::{min_memory, store_all};
+use remat::{OutputKind, Phase};
 
 const EXACT: PlanOptions = PlanOptions {
     solver: remat::Solver::Checkmate,
     time_limit: 30.0,
     mip_gap: 0.0,
-    slots: remat::solve::dp::DEFAULT_SLOTS,
+    slots: remat::testing::dp::DEFAULT_SLOTS,
 };
 
 /// Four layers of 10 B; f0 is the cheapest (1 s), the others take 5 s; 4 backward nodes of 1 s.
@@ -87,18 +87,18 @@ fn a_budget_fitting_plain_pytorch_recomputes_nothing() {
 #[test]
 fn the_ilp_alone_matches_plain_pytorch_when_memory_is_unlimited() {
     let g = four_layers();
-    let sg = remat::graph::simplify::simplify(&g);
-    let options = remat::solve::ilp::SolveOptions {
+    let sg = remat::testing::simplify::simplify(&g);
+    let options = remat::testing::ilp::SolveOptions {
         time_limit: 10.0,
         mip_gap: 0.0,
-        recompute: remat::graph::simplify::Recompute::Anywhere,
+        recompute: remat::testing::recompute::Recompute::Anywhere,
         saved_limit: None,
         max_nodes: None,
     };
-    let solved = remat::solve::ilp::solve(&sg, 1_000_000, options, None)
+    let solved = remat::testing::ilp::solve(&sg, 1_000_000, options, None)
         .unwrap()
         .unwrap();
-    let schedule = remat::schedule::expand::schedule_of(&g, &sg, &solved.plan).unwrap();
+    let schedule = remat::testing::expand::schedule_of(&g, &sg, &solved.plan).unwrap();
     assert_eq!(simulate(&g, &schedule).unwrap().time, BASE_TIME);
     assert_eq!(solved.status, SolverStatus::Optimal);
 }
@@ -213,7 +213,7 @@ fn a_batch_norm_is_run_again_in_the_backward_phase_under_a_low_budget() {
 #[test]
 fn trivial_chains_are_fused_and_joins_are_not() {
     let g = common::batch_norm_like();
-    let sg = remat::graph::simplify::simplify(&g);
+    let sg = remat::testing::simplify::simplify(&g);
     let names: Vec<Vec<&str>> = sg
         .groups
         .iter()
@@ -238,17 +238,17 @@ fn trivial_chains_are_fused_and_joins_are_not() {
 
 /// The fastest time the ILP alone finds under `recompute`, exactly (`None`: infeasible).
 fn ilp_time(g: &Graph, budget: u64, recompute: Recompute) -> Option<f64> {
-    let sg = remat::graph::simplify::simplify(g);
-    let options = remat::solve::ilp::SolveOptions {
+    let sg = remat::testing::simplify::simplify(g);
+    let options = remat::testing::ilp::SolveOptions {
         time_limit: 10.0,
         mip_gap: 0.0,
         recompute,
         saved_limit: None,
         max_nodes: None,
     };
-    let solved = remat::solve::ilp::solve(&sg, budget, options, None).unwrap()?;
+    let solved = remat::testing::ilp::solve(&sg, budget, options, None).unwrap()?;
     assert_eq!(solved.status, SolverStatus::Optimal);
-    let schedule = remat::schedule::expand::schedule_of(g, &sg, &solved.plan).unwrap();
+    let schedule = remat::testing::expand::schedule_of(g, &sg, &solved.plan).unwrap();
     let report = simulate(g, &schedule).unwrap();
     assert!(
         report.peak_bytes <= budget,

@@ -4,7 +4,7 @@
 mod common;
 
 use common::budget_at;
-use remat::solve::plan::min_memory;
+use remat::min_memory;
 use remat::{budget_range, plan, Graph, PlanOptions, Solver, SolverStatus};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -205,98 +205,21 @@ fn gpt2_2l_plans_within_budget() {
     plans_within_budget("gpt2_2l", 3.0);
 }
 
-/// Solve times and schedule quality at 60/30/5% of the way from the smallest budget to plain
-/// PyTorch's peak: `cargo test --release --test real_graphs -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn report_solve_times() {
-    let names = std::env::var("REMAT_GRAPHS").unwrap_or("mlp,cnn,encoder_2l,gpt2_2l".into());
-    let solver = std::env::var("REMAT_SOLVER").unwrap_or("rockmate".into());
-    let options = PlanOptions {
-        solver: remat::Solver::from_name(&solver).unwrap(),
-        ..PlanOptions::default()
-    };
-    for name in names.split(',') {
-        let g = load(name);
-        if options.solver != remat::Solver::Checkmate {
-            let start = Instant::now();
-            let sg = remat::graph::simplify::simplify(&g);
-            let h =
-                remat::solve::rockmate::Hierarchy::build(&g, &sg, &options.hierarchy()).unwrap();
-            let sizes: Vec<usize> = h.blocks.iter().map(|b| b.sg.groups.len()).collect();
-            let options_per_class: Vec<usize> = h.options.iter().map(|o| o.len()).collect();
-            eprintln!(
-                "{name}: {} groups, {} blocks {sizes:?}, {} classes, options {options_per_class:?}, built in {:.2}s",
-                sg.groups.len(),
-                h.blocks.len(),
-                h.classes(),
-                start.elapsed().as_secs_f64()
-            );
-            eprintln!("  x {:?}\n  δ {:?}", h.partition.sizes, h.partition.deltas);
-            for (b, block) in h.chain.blocks.iter().enumerate() {
-                let opts: Vec<String> = block
-                    .options
-                    .iter()
-                    .map(|o| {
-                        format!(
-                            "{:.3}/{}/{}/{}",
-                            o.forward_time + o.backward_time,
-                            o.saved_bytes,
-                            o.forward_temp_bytes,
-                            o.backward_temp_bytes
-                        )
-                    })
-                    .collect();
-                eprintln!(
-                    "  block {b}: fn {:.3}/{} once {} opts {}",
-                    block.forward_time,
-                    block.forward_temp_bytes,
-                    block.once,
-                    opts.join(" ")
-                );
-            }
-        }
-        let plain = remat::solve::plan::store_all(&g)
-            .unwrap()
-            .predicted
-            .unwrap()
-            .time;
-        let fractions = std::env::var("REMAT_FRACTIONS").unwrap_or("0.6,0.3,0.05".into());
-        for fraction in fractions.split(',').map(|f| f.parse::<f64>().unwrap()) {
-            let budget = budget_at(&g, fraction);
-            let start = Instant::now();
-            let schedule = plan(&g, budget, &options).unwrap();
-            let report = schedule.predicted.unwrap();
-            let solver = schedule.solver.unwrap();
-            eprintln!(
-                "{name} {:>3.0}%: {:>6.2}s {:?} time {:.4e} (plain {:.4e}) recomputed {:.4e} peak {}/{budget}",
-                fraction * 100.0,
-                start.elapsed().as_secs_f64(),
-                solver.status,
-                report.time,
-                plain,
-                report.recomputed_time,
-                report.peak_bytes,
-            );
-        }
-    }
-}
-
 /// On GPT-2 2L and the encoder, the DP's sequences over the grid of limits use leaves (`FB`) and
 /// split backwards (`B1`), and every composed schedule replays in the simulator.
 #[test]
 fn leaves_and_split_backwards_compose_valid_schedules() {
-    use remat::chain::ChainOp;
+    use remat::ChainOp;
     for name in ["gpt2_2l", "encoder_2l"] {
         let g = load(name);
-        let sg = remat::graph::simplify::simplify(&g);
+        let sg = remat::testing::simplify::simplify(&g);
         let options = PlanOptions::default().hierarchy();
-        let h = remat::solve::rockmate::Hierarchy::build(&g, &sg, &options).unwrap();
-        let (lo, hi) = remat::solve::dp::limits(&h.chain, options.slots).unwrap();
+        let h = remat::testing::rockmate::Hierarchy::build(&g, &sg, &options).unwrap();
+        let (lo, hi) = remat::testing::dp::limits(&h.chain, options.slots).unwrap();
         let (mut leaves, mut splits) = (0, 0);
         for k in 0..=20u64 {
             let limit = lo + (hi - lo) * k / 20;
-            let sequence = remat::solve::dp::solve(&h.chain, limit, options.slots).unwrap();
+            let sequence = remat::testing::dp::solve(&h.chain, limit, options.slots).unwrap();
             let count = |f: fn(&ChainOp) -> bool| sequence.ops.iter().filter(|op| f(op)).count();
             leaves += count(|op| matches!(op, ChainOp::ForwardBackward { .. }));
             splits += count(|op| matches!(op, ChainOp::BackwardFirst { .. }));

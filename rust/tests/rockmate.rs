@@ -3,112 +3,16 @@
 
 mod common;
 
-use common::{budget_at, Builder};
+use common::budget_at;
+use common::nets::{
+    hierarchy_time, optimal_time, residual_net, same_layers, small_blocks, small_hierarchy, Layer,
+};
 use proptest::prelude::*;
-use remat::graph::simplify::{simplify, SimpleGraph};
-use remat::graph::{Graph, OutputKind, Phase};
-use remat::solve::rockmate::partition::{partition, PartitionOptions};
-use remat::solve::rockmate::{plan_blocks, Hierarchy, HierarchyOptions};
+use remat::testing::rockmate::partition::{partition, PartitionOptions};
+use remat::testing::rockmate::{plan_blocks, Hierarchy};
+use remat::testing::simplify::simplify;
+use remat::Graph;
 use remat::{plan, simulate, PlanOptions, Schedule, Solver};
-
-/// One residual layer's sizes and times: `a = f(h)`, `b = g(a)`, `h' = h + b`.
-#[derive(Debug, Clone, Copy)]
-struct Layer {
-    a: u64,
-    b: u64,
-    time_a: f64,
-    time_b: f64,
-}
-
-impl Layer {
-    fn new(a: u64, b: u64, time_a: f64, time_b: f64) -> Layer {
-        Layer {
-            a,
-            b,
-            time_a,
-            time_b,
-        }
-    }
-}
-
-/// `layers` residual layers over a hidden state of `hidden` bytes, a loss (a forward output),
-/// and their backward: `gb` reads the saved `a`, `ga` the layer's input `h`, and `gh` sums the
-/// residual gradient; each weight gradient is a grad output. Ops are named by kind, not layer.
-fn residual_net(hidden: u64, layers: &[Layer]) -> Graph {
-    let mut b = layer_ops(hidden, layers);
-    for node in 0..=b.last_node() {
-        let name = b.node_name(node);
-        let kind = name
-            .trim_end_matches(|c: char| c.is_ascii_digit())
-            .to_string();
-        b.set_target(node, &format!("aten.{kind}"));
-    }
-    b.build()
-}
-
-fn layer_ops(hidden: u64, layers: &[Layer]) -> Builder {
-    let mut b = Builder::default();
-    let x = b.input("x");
-    let mut h = b.node("embed", Phase::Forward, &[x], &[hidden], 1.0)[0];
-    let mut saved = Vec::new();
-    for (i, l) in layers.iter().enumerate() {
-        let a = b.node(&format!("f{i}"), Phase::Forward, &[h], &[l.a], l.time_a)[0];
-        let out = b.node(&format!("g{i}"), Phase::Forward, &[a], &[l.b], l.time_b)[0];
-        saved.push((h, a));
-        h = b.node(
-            &format!("res{i}"),
-            Phase::Forward,
-            &[h, out],
-            &[hidden],
-            0.1,
-        )[0];
-    }
-    let loss = b.node("loss", Phase::Forward, &[h], &[4], 0.1)[0];
-    b.output(loss, OutputKind::Forward);
-    let tangent = b.tangent("tangent", 4);
-    let mut grad = b.node("gloss", Phase::Backward, &[tangent, h], &[hidden], 0.1)[0];
-    for (i, l) in layers.iter().enumerate().rev() {
-        let (input, a) = saved[i];
-        let gb = b.node(
-            &format!("gg{i}"),
-            Phase::Backward,
-            &[grad, a],
-            &[l.a, 0],
-            1.0,
-        );
-        b.output(gb[1], OutputKind::Grad);
-        let ga = b.node(
-            &format!("gf{i}"),
-            Phase::Backward,
-            &[gb[0], input],
-            &[hidden, 0],
-            1.0,
-        );
-        b.output(ga[1], OutputKind::Grad);
-        grad = b.node(
-            &format!("gh{i}"),
-            Phase::Backward,
-            &[grad, ga[0]],
-            &[hidden],
-            0.1,
-        )[0];
-    }
-    let gx = b.node("gembed", Phase::Backward, &[grad, x], &[0], 0.1)[0];
-    b.output(gx, OutputKind::Grad);
-    b
-}
-
-fn same_layers(n: usize) -> Vec<Layer> {
-    vec![Layer::new(400, 300, 3.0, 2.0); n]
-}
-
-fn small_blocks() -> PartitionOptions {
-    PartitionOptions {
-        max_block_groups: 3,
-        join_groups: 0,
-        max_blocks: 40,
-    }
-}
 
 #[test]
 fn layers_are_cut_at_their_boundaries_and_share_one_class() {
@@ -278,7 +182,7 @@ fn a_finer_partition_is_planned_too_when_its_chain_is_short() {
     let budget = budget_at(&g, 0.2);
     let options = PlanOptions::default().hierarchy();
     let joined = Hierarchy::build(&g, &sg, &options).unwrap();
-    let fine = remat::solve::rockmate::finer_partition(&sg, &options, &joined.partition);
+    let fine = remat::testing::rockmate::finer_partition(&sg, &options, &joined.partition);
     let fine = fine.expect("a finer partition of at most 24 blocks");
     assert!(fine.len() > joined.chain.len(), "{} blocks", fine.len());
     let time = |h: &Hierarchy| {
@@ -295,42 +199,6 @@ fn a_finer_partition_is_planned_too_when_its_chain_is_short() {
         planned_time < 0.9 * joined_time,
         "{planned_time} against {joined_time} joined"
     );
-}
-
-/// The hierarchy of `g` with one layer per block, and the options it was built with.
-fn small_hierarchy(g: &Graph) -> (SimpleGraph, Hierarchy, HierarchyOptions) {
-    let sg = simplify(g);
-    let mut options = PlanOptions::default().hierarchy();
-    options.partition = small_blocks();
-    let h = Hierarchy::build(g, &sg, &options).unwrap();
-    (sg, h, options)
-}
-
-/// The hierarchy's own schedule (no heuristic fallback) within budget.
-fn hierarchy_schedule(g: &Graph, budget: u64) -> Option<Schedule> {
-    let (sg, h, options) = small_hierarchy(g);
-    let schedule = plan_blocks(g, &sg, &h, budget, &options).unwrap()?;
-    assert!(schedule.predicted.unwrap().peak_bytes <= budget);
-    Some(schedule)
-}
-
-fn hierarchy_time(g: &Graph, budget: u64) -> Option<f64> {
-    hierarchy_schedule(g, budget).map(|s| s.predicted.unwrap().time)
-}
-
-/// The exact whole-graph ILP's schedule.
-fn optimal_schedule(g: &Graph, budget: u64) -> Schedule {
-    let exact = PlanOptions {
-        solver: Solver::Checkmate,
-        time_limit: 60.0,
-        mip_gap: 0.0,
-        ..PlanOptions::default()
-    };
-    plan(g, budget, &exact).unwrap()
-}
-
-fn optimal_time(g: &Graph, budget: u64) -> f64 {
-    optimal_schedule(g, budget).predicted.unwrap().time
 }
 
 /// The hierarchy's schedule at `fraction` of the budget range is at most `ratio` times the
@@ -398,92 +266,5 @@ proptest! {
         let worst = worst_ratio(&residual_net(hidden * 100, &vec![kind; n]))?;
         eprintln!("any layers: worst ratio to the optimum {worst:.4}");
         prop_assert!(worst <= 1.12, "hierarchy {worst:.4}x the optimum");
-    }
-}
-
-/// Ratios of the hierarchy's predicted step to the exact ILP's on `REMAT_CASES` random residual
-/// nets (default 20; seed `REMAT_SEED`, default 12345) of 3 to 5 layers, one per block, at 20, 40,
-/// 60 and 80% of the budget range: wide layers (inner tensors at least the hidden size), or any
-/// with `REMAT_NARROW` set. A report, not a check (the exact ILP takes seconds per case).
-#[test]
-#[ignore]
-fn report_ratios_to_the_optimum() {
-    let env = |name: &str, default: u64| {
-        let value = std::env::var(name).ok().and_then(|v| v.parse().ok());
-        value.unwrap_or(default)
-    };
-    let (cases, mut seed) = (env("REMAT_CASES", 20), env("REMAT_SEED", 12345));
-    let narrow = std::env::var("REMAT_NARROW").is_ok();
-    let mut next = |m: u64| {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (seed >> 33) % m + 1
-    };
-    let mut worst: f64 = 0.0;
-    for case in 0..cases {
-        let kind = Layer::new(next(8) * 100, next(8) * 100, next(8) as f64, next(8) as f64);
-        let n = 2 + next(3) as usize;
-        let h = next(8);
-        let hidden = match narrow {
-            true => h * 100,
-            false => 100 * h.min(kind.a / 100).min(kind.b / 100),
-        };
-        let g = residual_net(hidden, &vec![kind; n]);
-        let mut line = format!("case {case}: {kind:?} n {n} hidden {hidden}:");
-        for f in [0.2, 0.4, 0.6, 0.8] {
-            let budget = budget_at(&g, f);
-            let ratio =
-                hierarchy_time(&g, budget).map_or(f64::NAN, |t| t / optimal_time(&g, budget));
-            worst = worst.max(ratio);
-            line += &format!(" {ratio:.3}");
-        }
-        eprintln!("{line}");
-    }
-    eprintln!("worst ratio to the optimum: {worst:.4}");
-}
-
-/// The names of the ops a schedule runs in the backward phase.
-fn backward_names(g: &Graph, s: &Schedule) -> String {
-    let names = s.backward.iter().filter_map(|op| match op {
-        remat::Op::Compute { node } => Some(g.node(*node).name.as_str()),
-        remat::Op::Free { .. } => None,
-    });
-    names.collect::<Vec<_>>().join(" ")
-}
-
-/// One residual net, `REMAT_NET="a b time_a time_b layers hidden fraction"`: the exact ILP's and
-/// the hierarchy's backward ops, then the DP's sequence at 17 limits over the chain's range with
-/// the chain's predicted peak beside the composed schedule's (where they differ, the chain's
-/// model is coarser than the schedule). A diagnosis aid, not a check.
-#[test]
-#[ignore]
-fn report_one_net() {
-    let spec = std::env::var("REMAT_NET").unwrap_or("200 200 7 6 5 800 0.2".into());
-    let v: Vec<f64> = spec
-        .split_whitespace()
-        .map(|w| w.parse().unwrap())
-        .collect();
-    let kind = Layer::new(v[0] as u64, v[1] as u64, v[2], v[3]);
-    let g = residual_net(v[5] as u64, &vec![kind; v[4] as usize]);
-    let budget = budget_at(&g, v[6]);
-    let best = optimal_schedule(&g, budget);
-    eprintln!("budget {budget}\noptimum {:?}", best.predicted.unwrap());
-    eprintln!("  B: {}", backward_names(&g, &best));
-    let ours = hierarchy_schedule(&g, budget).expect("a hierarchical schedule within budget");
-    eprintln!("hierarchy {:?}", ours.predicted.unwrap());
-    eprintln!("  B: {}", backward_names(&g, &ours));
-    let (sg, h, options) = small_hierarchy(&g);
-    let (low, high) = remat::solve::dp::limits(&h.chain, options.slots).unwrap();
-    for k in 0..=16 {
-        let limit = low + (high - low) / 16 * k;
-        let sequence = remat::solve::dp::solve(&h.chain, limit, options.slots).unwrap();
-        let (ops, chain) = (remat::chain::notation(&sequence.ops), sequence.predicted);
-        let composed = h.schedule_of(&g, &sg, Ok(sequence)).unwrap().unwrap();
-        let composed = composed.predicted.unwrap();
-        eprintln!(
-            "limit {limit}: time {:.2} chain peak {} composed peak {}: {ops}",
-            chain.time, chain.peak_bytes, composed.peak_bytes
-        );
     }
 }

@@ -3,8 +3,8 @@
 mod common;
 
 use common::Builder;
-use remat::graph::{OutputKind, Phase};
 use remat::{memory_curve, simulate, Error, Graph, Op, Schedule};
+use remat::{OutputKind, Phase};
 
 /// x → f0 → a (10 B) → f1 → b (20 B, forward output); backward b0(tangent 5 B, a) → g (3 B, grad).
 /// The gradient becomes `.grad`: its 3 bytes are not activation memory.

@@ -4,10 +4,9 @@
 //! it, so every other module may rely on its invariants (dense ids, topological order, one
 //! producer per activation, aliases pointing at storage owners).
 
+pub mod recompute;
 pub mod simplify;
 mod validate;
-
-pub(crate) use validate::check_header;
 
 use crate::error::{Error, Result};
 use petgraph::graph::DiGraph;
@@ -95,13 +94,19 @@ pub struct Output {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct GraphFile {
-    schema: String,
-    version: u64,
     #[serde(default)]
     name: String,
     values: Vec<Value>,
     nodes: Vec<Node>,
     outputs: Vec<Output>,
+}
+
+impl crate::file::Format for GraphFile {
+    const SCHEMA: &'static str = GRAPH_SCHEMA;
+    const VERSION: u64 = FORMAT_VERSION;
+    fn invalid(message: String) -> Error {
+        Error::Graph(message)
+    }
 }
 
 /// Lookup tables derived once from a validated graph.
@@ -125,12 +130,7 @@ pub struct Graph {
 impl Graph {
     /// Parses and validates a graph file.
     pub fn from_json(text: &str) -> Result<Graph> {
-        let raw: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| Error::Graph(format!("not JSON: {e}")))?;
-        validate::check_header(&raw, GRAPH_SCHEMA, FORMAT_VERSION).map_err(Error::Graph)?;
-        let file: GraphFile =
-            serde_json::from_value(raw).map_err(|e| Error::Graph(format!("bad field: {e}")))?;
-        Graph::from_file(file)
+        Graph::from_file(crate::file::read(text)?)
     }
 
     /// Builds and validates a graph from its parts.
@@ -141,8 +141,6 @@ impl Graph {
         outputs: Vec<Output>,
     ) -> Result<Graph> {
         Graph::from_file(GraphFile {
-            schema: GRAPH_SCHEMA.to_string(),
-            version: FORMAT_VERSION,
             name: name.to_string(),
             values,
             nodes,
@@ -162,7 +160,7 @@ impl Graph {
 
     /// The graph file text.
     pub fn to_json(&self) -> String {
-        serde_json::to_string(&self.file).expect("a graph always serializes")
+        crate::file::write(&self.file)
     }
 
     pub fn name(&self) -> &str {

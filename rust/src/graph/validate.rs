@@ -4,25 +4,6 @@ use super::{Node, Output, OutputKind, Phase, Value, ValueKind};
 
 type Check = std::result::Result<(), String>;
 
-/// `schema` and `version` first, so that a file of another version fails with a clear message
-/// rather than on some field that changed.
-pub(crate) fn check_header(raw: &serde_json::Value, schema: &str, version: u64) -> Check {
-    let found_schema = raw.get("schema").and_then(|s| s.as_str());
-    if found_schema != Some(schema) {
-        return Err(format!(
-            "expected \"schema\": \"{schema}\", found {:?}",
-            raw.get("schema")
-        ));
-    }
-    match raw.get("version").and_then(|v| v.as_u64()) {
-        Some(v) if v == version => Ok(()),
-        _ => Err(format!(
-            "unsupported {schema} version {:?}: this remat reads version {version}",
-            raw.get("version")
-        )),
-    }
-}
-
 pub(super) fn check_graph(values: &[Value], nodes: &[Node], outputs: &[Output]) -> Check {
     check_value_ids(values)?;
     check_aliases(values)?;

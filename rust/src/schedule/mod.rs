@@ -60,12 +60,12 @@ pub struct Schedule {
     pub solver: Option<SolverInfo>,
 }
 
-#[derive(Serialize, Deserialize)]
-struct ScheduleFile {
-    schema: String,
-    version: u64,
-    #[serde(flatten)]
-    schedule: Schedule,
+impl crate::file::Format for Schedule {
+    const SCHEMA: &'static str = SCHEDULE_SCHEMA;
+    const VERSION: u64 = FORMAT_VERSION;
+    fn invalid(message: String) -> Error {
+        Error::Schedule(message)
+    }
 }
 
 impl Schedule {
@@ -82,23 +82,12 @@ impl Schedule {
     /// Parses a schedule file; node and value ids are checked against a graph by
     /// [`crate::schedule::simulate::simulate`].
     pub fn from_json(text: &str) -> Result<Schedule> {
-        let raw: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| Error::Schedule(format!("not JSON: {e}")))?;
-        crate::graph::check_header(&raw, SCHEDULE_SCHEMA, FORMAT_VERSION)
-            .map_err(Error::Schedule)?;
-        let file: ScheduleFile =
-            serde_json::from_value(raw).map_err(|e| Error::Schedule(format!("bad field: {e}")))?;
-        Ok(file.schedule)
+        crate::file::read(text)
     }
 
     /// The schedule file text.
     pub fn to_json(&self) -> String {
-        let file = ScheduleFile {
-            schema: SCHEDULE_SCHEMA.to_string(),
-            version: FORMAT_VERSION,
-            schedule: self.clone(),
-        };
-        serde_json::to_string(&file).expect("a schedule always serializes")
+        crate::file::write(self)
     }
 }
 

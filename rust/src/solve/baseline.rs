@@ -1,7 +1,8 @@
 //! The two reference plans every budget is measured against: plain PyTorch (`store_all`) and
 //! keep-nothing recomputation (`min_memory`).
 
-use crate::graph::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
+use crate::graph::recompute::{Recompute, StageRuns};
+use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::schedule::expand::{Stage, StagePlan};
 
 /// Plain PyTorch: each group runs once; each storage is freed after its last user.

@@ -11,7 +11,8 @@
 //! stage's group reads; `S` bits are shared across stages that do not touch a storage.
 
 use crate::error::{Error, Result};
-use crate::graph::simplify::{Hold, Recompute, SimpleGraph, StageRuns};
+use crate::graph::recompute::{Recompute, StageRuns};
+use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::schedule::expand::{Stage, StagePlan};
 use crate::schedule::SolverStatus;
 use good_lp::solvers::highs::highs;

@@ -1,7 +1,8 @@
 //! The entry point: a graph and a budget in, a simulated schedule out.
 
 use crate::error::{Error, Result};
-use crate::graph::simplify::{simplify, Recompute, SimpleGraph, StageRuns};
+use crate::graph::recompute::{Recompute, StageRuns};
+use crate::graph::simplify::{simplify, SimpleGraph};
 use crate::graph::Graph;
 use crate::schedule::expand::{schedule_of, StagePlan};
 use crate::schedule::simulate::simulate;
@@ -41,7 +42,7 @@ impl Solver {
             "rockmate" => Ok(Solver::Rockmate),
             "rotor" => Ok(Solver::Rotor),
             "checkmate" => Ok(Solver::Checkmate),
-            other => Err(Error::Solver(format!(
+            other => Err(Error::Argument(format!(
                 "unknown solver {other:?}: use \"rockmate\", \"rotor\" or \"checkmate\""
             ))),
         }
@@ -69,6 +70,31 @@ impl Default for PlanOptions {
             mip_gap: 0.01,
             slots: crate::solve::dp::DEFAULT_SLOTS,
         }
+    }
+}
+
+impl PlanOptions {
+    /// The settings checked: the one place arguments to the planner are checked (`Remat`'s,
+    /// `remat-plan`'s and `python -m remat`'s), each with what is allowed in its message.
+    pub fn check(&self) -> Result<()> {
+        let PlanOptions {
+            time_limit,
+            mip_gap,
+            slots,
+            ..
+        } = *self;
+        crate::solve::dp::check_slots(slots)?;
+        if time_limit.is_nan() || time_limit <= 0.0 {
+            return Err(Error::Argument(format!(
+                "time_limit must be > 0 seconds, got {time_limit}"
+            )));
+        }
+        if !(mip_gap.is_finite() && mip_gap >= 0.0) {
+            return Err(Error::Argument(format!(
+                "mip_gap must be finite and >= 0, got {mip_gap}"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -114,7 +140,7 @@ impl PlanOptions {
 /// schedule's peak; otherwise the chosen solver's schedule, or the best keep-set heuristic
 /// schedule when that is faster (status `fallback`).
 pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedule> {
-    check_options(options)?;
+    options.check()?;
     let start = Instant::now();
     let info = |status| SolverInfo {
         name: options.solver.name().into(),
@@ -310,28 +336,6 @@ pub fn store_all(graph: &Graph) -> Result<Schedule> {
 pub fn min_memory(graph: &Graph) -> Result<Schedule> {
     let sg = simplify(graph);
     simulated(graph, &sg, &baseline::min_memory(&sg))
-}
-
-/// Checks the settings' values, with what is allowed in the message.
-pub(crate) fn check_options(options: &PlanOptions) -> Result<()> {
-    let PlanOptions {
-        time_limit,
-        mip_gap,
-        slots,
-        ..
-    } = *options;
-    crate::solve::dp::check_slots(slots)?;
-    if time_limit.is_nan() || time_limit <= 0.0 {
-        return Err(Error::Solver(format!(
-            "time_limit must be > 0 seconds, got {time_limit}"
-        )));
-    }
-    if !(mip_gap.is_finite() && mip_gap >= 0.0) {
-        return Err(Error::Solver(format!(
-            "mip_gap must be finite and >= 0, got {mip_gap}"
-        )));
-    }
-    Ok(())
 }
 
 /// Expands `plan` and replays it; a failure here is a bug of ours, reported as such.

@@ -1,7 +1,9 @@
 //! Hand-built joint graphs for the tests.
 #![allow(dead_code)]
 
-use remat::graph::{Graph, Node, Output, OutputKind, Phase, Value, ValueKind};
+pub mod nets;
+
+use remat::{Graph, Node, Output, OutputKind, Phase, Value, ValueKind};
 
 /// Builds a graph value by value and node by node, in order.
 #[derive(Default)]

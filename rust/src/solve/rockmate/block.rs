@@ -7,7 +7,9 @@
 //! whole sub-problem and count nothing here (the chain counts them in its sizes, or as held),
 //! nor do storages held for the whole step (model outputs).
 
-use crate::graph::simplify::{Group, Hold, Recompute, SimpleGraph, Storage};
+use crate::error::Result;
+use crate::graph::recompute::Recompute;
+use crate::graph::simplify::{Group, Hold, SimpleGraph, Storage};
 use crate::graph::{Graph, Phase};
 use crate::schedule::expand::StagePlan;
 use crate::schedule::SolverStatus;
@@ -467,8 +469,9 @@ pub fn store_all_option(sub: &SimpleGraph) -> OptionPlan {
 
 /// Rockmate's options: the keep-set family (drop the cheapest storages to recompute first) and
 /// per-block ILPs at several memory levels, reduced to a Pareto set over (time, saved bytes,
-/// forward peak, backward peak).
-pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
+/// forward peak, backward peak). An ILP that finds no solution in its limits leaves the status
+/// [`SolverStatus::TimeLimit`]; one that fails is the error.
+pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Result<Options> {
     let times: Vec<f64> = sub.groups.iter().map(|g| g.time).collect();
     let mut plans = vec![store_all_option(sub)];
     let mut costs = vec![cost(sub, &plans[0], &times)];
@@ -517,16 +520,17 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Options {
                     costs.push(cost(sub, &plan, &times));
                     plans.push(plan);
                 }
-                Ok(None) | Err(_) => status = SolverStatus::TimeLimit,
+                Ok(None) => status = SolverStatus::TimeLimit,
+                Err(e) => return Err(e),
             }
         }
     }
     plans.extend(family);
     costs.extend(family_costs);
-    Options {
+    Ok(Options {
         plans: pareto(plans, &costs, search.max_options.max(1)),
         status,
-    }
+    })
 }
 
 /// `(peak budget, saved limit)` of each per-block ILP: `saved_levels` limits on the bytes the

@@ -1,0 +1,116 @@
+//! Single blocks' options changed while that makes the composed schedule faster within the
+//! budget.
+
+use super::*;
+
+/// How many of the fastest fitting sequences are [`polish`]ed: the chain's peak is above the
+/// composed one by varying amounts, so the fastest is not always the best start.
+pub(super) const POLISHED: usize = 3;
+
+/// The fastest of `fitting` each [`polish`]ed.
+pub(super) fn polish_all(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    budget: u64,
+    fitting: Vec<Composed>,
+) -> Result<Option<Schedule>> {
+    let mut best: Option<Composed> = None;
+    for composed in fitting {
+        let polished = polish(graph, sg, hierarchy, budget, composed)?;
+        if best
+            .as_ref()
+            .is_none_or(|b| polished.report().better_than(&b.report()))
+        {
+            best = Some(polished);
+        }
+    }
+    Ok(best.map(|b| b.schedule))
+}
+
+/// Rounds of [`polish`] at most.
+pub(super) const POLISH_ROUNDS: usize = 4;
+
+/// `best` with single blocks' options changed while that makes the composed schedule faster
+/// within `budget` (the sequence's ops stay, only one block's option changes at a time): the DP
+/// gives the blocks of a segment one profile of options, where the optimum may give each its
+/// own (`docs/decisions.md`, "Polish").
+pub(super) fn polish(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    budget: u64,
+    mut best: Composed,
+) -> Result<Composed> {
+    let chain = &hierarchy.chain;
+    for _ in 0..POLISH_ROUNDS {
+        let mut improved = false;
+        for block in 0..chain.len() {
+            for option in 0..chain.blocks[block].options.len() {
+                let ops = with_option(&best.ops, block, option);
+                if ops == best.ops {
+                    continue;
+                }
+                let Ok(report) = chain.simulate(&ops) else {
+                    continue;
+                };
+                // The chain's peak is not the composed one's, but moves with it.
+                let slack = budget - best.report().peak_bytes;
+                if report.time >= best.chain.time - 1e-9
+                    || report.peak_bytes > best.chain.peak_bytes + slack
+                {
+                    continue;
+                }
+                let composed = hierarchy.compose(graph, sg, ops, report)?;
+                if composed.report().peak_bytes <= budget
+                    && composed.report().better_than(&best.report())
+                {
+                    best = composed;
+                    improved = true;
+                }
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    Ok(best)
+}
+
+/// `ops` with block `block` run in option `option` wherever it runs with grad.
+pub(super) fn with_option(ops: &[ChainOp], block: usize, option: usize) -> Vec<ChainOp> {
+    let set = |b: usize, o: usize| if b == block { option } else { o };
+    ops.iter()
+        .map(|&op| match op {
+            ChainOp::ForwardEnable {
+                block: b,
+                option: o,
+            } => ChainOp::ForwardEnable {
+                block: b,
+                option: set(b, o),
+            },
+            ChainOp::Backward {
+                block: b,
+                option: o,
+            } => ChainOp::Backward {
+                block: b,
+                option: set(b, o),
+            },
+            ChainOp::BackwardFirst {
+                block: b,
+                option: o,
+            } => ChainOp::BackwardFirst {
+                block: b,
+                option: set(b, o),
+            },
+            ChainOp::ForwardBackward {
+                block: b,
+                option: o,
+            } => ChainOp::ForwardBackward {
+                block: b,
+                option: set(b, o),
+            },
+            other => other,
+        })
+        .collect()
+}
