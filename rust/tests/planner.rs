@@ -129,24 +129,24 @@ fn below_the_minimum_the_budget_is_infeasible() {
 }
 
 #[test]
-fn bad_options_are_solver_errors() {
+fn bad_options_are_argument_errors() {
     let g = four_layers();
     let bad_gap = PlanOptions {
         mip_gap: -1.0,
         ..EXACT
     };
-    assert!(matches!(plan(&g, 40, &bad_gap), Err(Error::Solver(_))));
+    assert!(matches!(plan(&g, 40, &bad_gap), Err(Error::Argument(_))));
     let bad_time = PlanOptions {
         time_limit: 0.0,
         ..EXACT
     };
-    assert!(matches!(plan(&g, 40, &bad_time), Err(Error::Solver(_))));
+    assert!(matches!(plan(&g, 40, &bad_time), Err(Error::Argument(_))));
     let no_slots = PlanOptions {
         solver: remat::Solver::Rockmate,
         slots: 0,
         ..EXACT
     };
-    assert!(matches!(plan(&g, 40, &no_slots), Err(Error::Solver(_))));
+    assert!(matches!(plan(&g, 40, &no_slots), Err(Error::Argument(_))));
 }
 
 /// Views everywhere: of a parameter (forward), of an activation feeding the next layer, of a
