@@ -241,9 +241,8 @@ proptest! {
 
     /// Residual layers whose inner tensors are at least as large as the hidden state (as in
     /// transformers and CNNs): the hierarchy's schedule is within 2% of the exact whole-graph
-    /// ILP's optimum at 4 budgets (the worst ratio is printed; every one of 100 cases of
-    /// `report_ratios_to_the_optimum` was at the optimum, where leaves, split backwards and outputs released
-    /// early were missing 1.12 was seen).
+    /// ILP's optimum at 4 budgets (the worst ratio is printed; each of 100 cases of
+    /// `cargo bench --bench reports -- ratios` is at the optimum).
     #[test]
     fn hierarchy_is_close_to_the_optimum_on_wide_layers(kind in layer(), n in 3usize..=5, h in 1u64..=8) {
         let hidden = 100 * h.min(kind.a / 100).min(kind.b / 100);
