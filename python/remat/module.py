@@ -512,7 +512,7 @@ def _model_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata
 
 
 def _wrapper_keys(state_dict: dict, prefix: str, local_metadata, strict, missing, unexpected, errors) -> None:
-    """Loading takes the model's own keys (and, as saved before, the wrapper's)."""
+    """Loading takes the model's own keys, and the wrapper's too (``prefix + "model.w"``)."""
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _MODEL)]:
         state_dict[prefix + _MODEL + key[len(prefix) :]] = state_dict.pop(key)
 
