@@ -137,7 +137,7 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
         ids[name]: ids[zeros] for name, (kind, zeros) in new_values.items() if kind == "tangent" and zeros in ids
     }
     for v in g.values:
-        if v.alias_of in replaced:  # a view of a gradient now made by its zeros node
+        if v.alias_of in replaced:  # a view of a replaced tangent is a view of its zeros node
             v.alias_of = replaced[v.alias_of]
         kind, made = new_values.get(v.name, ("", 0))
         if kind in ("zeros", "loss"):

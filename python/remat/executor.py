@@ -1,4 +1,5 @@
-"""Run a schedule: its forward and backward phases as FX graphs inside one autograd Function.
+"""Build a schedule's forward and backward phases as FX graphs, which one autograd Function runs
+(``step.Step``).
 
 Each phase is generated from the schedule's op sequence: a node computed again in the backward
 phase appears there again as a new FX node. Values die where FX's code frees them, after their

@@ -1,0 +1,143 @@
+"""The autograd Function that runs a plan's phases as one forward and backward.
+
+``Step`` binds the graph's placeholders to the call's tensors, runs the forward phase, writes
+the step's buffer updates in place, hands the outputs to the user and keeps what the backward
+phase reads; at the backward it turns the output gradients into the graph's tangents, runs the
+backward phase and returns each input's gradient.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .amp import no_autocast
+from .boundary import gradient_sources, tangent_or_zeros
+from .errors import RematError
+from .executor import Phases
+from .graph import JointGraph
+
+if TYPE_CHECKING:
+    from .module import _Plan
+
+
+class Step(torch.autograd.Function):
+    """One training step's forward and backward phases, as planned."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, phases: Phases, vids: list[int], *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        g = plan.graph
+        by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
+        with no_autocast():
+            result = phases.forward([by_vid[v] for v in phases.forward_inputs])
+        n_out = len(phases.forward_outputs)
+        produced = dict(zip(phases.forward_outputs, result[:n_out]))
+        ctx.plan, ctx.phases, ctx.vids = plan, phases, vids
+        ctx.inputs = {v: by_vid.get(v) for v in phases.backward_inputs}  # tangents come later
+        _update_buffers(g, produced, ctx.inputs, by_vid, plan.copied)
+        ctx.saved = [t.detach() for t in result[n_out:]]  # not the objects handed out: see Window.watch
+        del result
+        outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        measure = plan.measure
+        ctx.window = measure.open(outs[0].device) if measure is not None and measure.wanted() else None
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        plan: _Plan = ctx.plan
+        g, phases = plan.graph, ctx.phases
+        if ctx.window is not None:
+            plan.measure.close(ctx.window, grad_outputs, plan)
+            ctx.window = None
+        elif plan.measure is not None:
+            plan.measure.learn_outputs(grad_outputs)
+        got = frozenset(i for i, grad in enumerate(grad_outputs) if grad is not None)
+        if got & g.gradients_not_computed_from:
+            outputs = ", ".join(map(str, sorted(got & g.gradients_not_computed_from)))
+            raise RematError(
+                f"remat: this step's loss differentiates output(s) {outputs} of the model, which the step remat "
+                "learned the loss from (the first training step) did not: the plan computes no gradient from them. "
+                "Differentiate every output this model's losses use on the first step, or wrap the model in "
+                "another remat.Remat for this loss"
+            )
+        tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
+        args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
+        args += ctx.saved
+        ctx.saved = None
+        del tangents, grad_outputs
+        with no_autocast():
+            grads = dict(zip(phases.grads, phases.backward(args)))
+        by_input = _grads_by_input(grads, plan.input_grads, got)
+        return (None, None, None, *[by_input.get(v) for v in ctx.vids])
+
+
+def input_grads(g: JointGraph) -> list[tuple[int, int, frozenset[int]]]:
+    """For each input the graph differentiates: its value id, its gradient's value id, and the
+    indices of the outputs whose gradients that gradient is computed from."""
+    c = g.captured
+    param_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "param"}
+    input_vid = {b.target: g.value_of[ph] for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
+    tangent_of = {ph: b.target for ph, b in zip(c.placeholders, c.bindings) if b.kind == "tangent"}
+    reads = gradient_sources(c.gm.graph.nodes, tangent_of)
+    return [
+        (param_vid[b.target] if b.grad_of == "param" else input_vid[b.target], g.value_of[o], reads[o])
+        for o, b in zip(c.outputs, c.output_bindings)
+        if b.kind == "grad" and o is not None
+    ]
+
+
+def _user_outputs(g: JointGraph):
+    c = g.captured
+    pairs = [(o, b) for o, b in zip(c.outputs, c.output_bindings) if b.kind == "forward"]
+    return sorted(pairs, key=lambda p: p[1].target)
+
+
+def _update_buffers(g, produced, backward_inputs, by_vid, copied: set[int]) -> None:
+    """Copy new buffer values in place, once per step; the backward phase keeps the old values
+    of the buffers in ``copied``."""
+    c = g.captured
+    # a buffer by name, an input (a buffer torch.compile passes) by index
+    bound = zip(c.placeholders, c.bindings)
+    name_to_vid = {b.target: g.value_of[ph] for ph, b in bound if b.kind in ("buffer", "input")}
+    for out, b in zip(c.outputs, c.output_bindings):
+        if b.kind != "mutation":
+            continue
+        vid = name_to_vid[b.target]
+        buf = by_vid[vid]
+        if vid in backward_inputs and vid in copied:
+            backward_inputs[vid] = buf.detach().clone()
+        with torch.no_grad():
+            buf.copy_(produced[g.value_of[out]])
+
+
+def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
+    """The backward phase's tangents; ``None`` for an output planned without gradient that got none."""
+    c = g.captured
+    out: dict[int, torch.Tensor | None] = {}
+    for ph, b in zip(c.placeholders, c.bindings):
+        if b.kind != "tangent":
+            continue
+        grad = grad_outputs[b.target]
+        meta = ph.meta["val"]
+        if grad is None:  # no loss differentiates this output: zeros, as autograd would give
+            if b.target not in no_grad:
+                grad = tangent_or_zeros(None, tuple(meta.shape), meta.stride(), meta.dtype, str(meta.device))
+            out[g.value_of[ph]] = grad
+            continue
+        if grad.stride() != meta.stride():  # e.g. an expanded scalar from .sum(): traced dense
+            dense = torch.empty_strided(meta.shape, meta.stride(), dtype=grad.dtype, device=grad.device)
+            grad = dense.copy_(grad)
+        out[g.value_of[ph]] = grad
+    return out
+
+
+def _grads_by_input(
+    grads: dict[int, torch.Tensor], input_grads: list[tuple[int, int, frozenset[int]]], got: frozenset[int]
+) -> dict[int, torch.Tensor]:
+    """Input value id -> its gradient (``input_grads``); none where every output its gradient
+    reads the gradient of got none (plain autograd leaves ``.grad`` unset there, where the phase
+    computes zeros)."""
+    return {vid: grads[grad] for vid, grad, sources in input_grads if sources & got}
