@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import remat
+import torch
 from helpers import OUTSIDE_MODEL_SLACK, Reference, budget_at
 from models import gpt2
 
@@ -35,3 +36,15 @@ def test_fewer_dp_slots_still_keep_the_budget() -> None:
     assert step.peak <= budget + OUTSIDE_MODEL_SLACK, (step.peak, budget)
     with pytest.raises(remat.ArgumentError, match="slots"):
         remat.Remat(ref.model, ref.sample, budget, slots=0)
+
+
+def test_bad_settings_raise_argument_errors_before_capture() -> None:
+    model, sample = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    for settings, message in [
+        (dict(solver="bogus"), 'unknown solver "bogus"'),
+        (dict(time_limit=0.0), "time_limit must be > 0"),
+        (dict(mip_gap=float("nan")), "mip_gap must be finite"),
+    ]:
+        with pytest.raises(remat.ArgumentError, match=message) as raised:
+            remat.Remat(model, sample, 0.5, **settings)
+        assert isinstance(raised.value, ValueError)

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -46,7 +46,6 @@ from .step import Step, input_grads
 from .trace import captured, graph_inputs, profiled
 
 Solver = Literal["rockmate", "rotor", "checkmate", "none"]
-SOLVERS: tuple[Solver, ...] = get_args(Solver)
 
 log = logging.getLogger("remat")
 
@@ -112,8 +111,8 @@ class Remat(nn.Module):
         measure_loss: bool = True,
     ) -> None:
         super().__init__()
-        if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        if solver != "none":
+            _core.check_options(solver, time_limit, mip_gap, slots)
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
         check_budget(budget)

@@ -1183,3 +1183,24 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn the_replay_reports_what_the_forward_hands_to_the_backward() {
+    let chain = uniform(4, 100);
+    let plain = chain.simulate(&chain.plain_ops()).unwrap();
+    // x_1, x_2 and x_3 are stored for the backward; x_0 is the caller's and x_4 has no bytes.
+    assert_eq!(plain.forward_end_bytes, 300);
+    assert_eq!(plain.backward_start_bytes, 300);
+    let (min, _) = limits(&chain, DEFAULT_SLOTS).unwrap();
+    let tight = solved(&chain, min);
+    let report = tight.predicted;
+    assert!(report.forward_end_bytes < 300, "{report:?}");
+    assert!(
+        report.forward_end_bytes <= report.forward_peak_bytes,
+        "{report:?}"
+    );
+    assert!(
+        report.backward_start_bytes <= report.backward_peak_bytes,
+        "{report:?}"
+    );
+}
