@@ -8,25 +8,34 @@ backward phase and returns each input's gradient.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from .amp import no_autocast
-from .boundary import gradient_sources, tangent_or_zeros
+from .boundary import Outside, gradient_sources, tangent_or_zeros
 from .errors import RematError
 from .executor import Phases
 from .graph import JointGraph
 
-if TYPE_CHECKING:
-    from .module import _Plan
+
+class RunsPlan(Protocol):
+    """What ``Step`` reads of a plan (``module._Plan``)."""
+
+    graph: JointGraph
+    copied: set[int]  # buffers whose pre-step values the backward phase keeps
+    outside: Outside
+    measure: Any  # the first step's loss measurement (``module._Measure``), or None
+
+    @property
+    def input_grads(self) -> list[tuple[int, int, frozenset[int]]]: ...
 
 
 class Step(torch.autograd.Function):
     """One training step's forward and backward phases, as planned."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, phases: Phases, vids: list[int], *tensors: torch.Tensor):
+    def forward(ctx, plan: RunsPlan, phases: Phases, vids: list[int], *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
         g = plan.graph
         by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
@@ -47,7 +56,7 @@ class Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
-        plan: _Plan = ctx.plan
+        plan: RunsPlan = ctx.plan
         g, phases = plan.graph, ctx.phases
         if ctx.window is not None:
             plan.measure.close(ctx.window, grad_outputs, plan)
