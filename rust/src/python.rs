@@ -157,10 +157,11 @@ fn py_check_options(
     mip_gap: f64,
     slots: usize,
 ) -> PyResult<()> {
-    plan_options(py, solver, time_limit, mip_gap, slots).map(|_| ())
+    let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
+    options.check().map_err(|e| to_py_err(py, e))
 }
 
-/// The solver settings of `plan` and `stages`, checked ([`PlanOptions::check`]).
+/// The solver settings of `plan` and `stages` (which check them: [`PlanOptions::check`]).
 fn plan_options(
     py: Python<'_>,
     solver: &str,
@@ -168,15 +169,13 @@ fn plan_options(
     mip_gap: f64,
     slots: usize,
 ) -> PyResult<PlanOptions> {
-    let options = Solver::from_name(solver).map(|solver| PlanOptions {
+    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
+    Ok(PlanOptions {
         solver,
         time_limit,
         mip_gap,
         slots,
-    });
-    options
-        .and_then(|o| o.check().map(|()| o))
-        .map_err(|e| to_py_err(py, e))
+    })
 }
 
 /// remat's exception classes, one per [`Error`] variant, registered once by `remat.errors`.
