@@ -100,19 +100,15 @@ def rss_rows() -> list[tuple[int, int, int, int, int, int, int]]:
 
 
 # The C heap's small blocks (under 64 KiB) stay in the resident set once touched, and how many
-# varies from process to process: the compiled step's peak less the eager one's measured -1.1,
-# -1.1 and +0.5 MB in three runs of this fixture. Beyond this, two peaks are compared within the
-# spread of their repeated steps.
+# varies from process to process: the compiled step's peak less the eager one's at the same plan
+# measured -1.1, -1.1 and +0.5 MB in three runs of this fixture. Beyond this, two peaks are
+# compared within the spread of their repeated steps.
 SLACK = 2 * 2**20
 
 
-def test_compiled_step_holds_no_more_than_the_eager_executor_and_falls_with_the_budget(rss_rows):
-    """Inductor's buffers, fusions and RNG operators add nothing to what the planned step holds,
-    and a lower budget never measures a higher peak."""
-    for _, budget, compiled, spread, eager_budget, eager, eager_spread in rss_rows:
-        assert budget == eager_budget
-        slack = max(SLACK, spread, eager_spread)
-        assert compiled <= eager + slack, f"compiled {compiled} over eager {eager} at budget {budget}: {rss_rows}"
+def test_compiled_step_peak_rss_falls_with_the_budget(rss_rows):
+    """A lower budget never measures a higher peak (a compiled plan may hold more than the eager
+    executor's at the same budget: it spends the room Inductor's fusions leave)."""
     for higher, lower in zip(rss_rows, rss_rows[1:]):
         assert lower[2] <= higher[2] + max(SLACK, higher[3], lower[3]), (
             f"a lower budget measured a higher peak: {rss_rows}"
@@ -161,7 +157,7 @@ def _mlp() -> torch.nn.Module:
 
 
 def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monkeypatch):
-    """Where Inductor's code measures over the budget, the solver is asked for less by as much,
+    """Where Inductor's code measures over the budget, the solver is asked for less,
     and the plan kept is one whose measured and predicted peaks keep the budget."""
     measured = remat.module.measured_peak
     overshoots = [2**18]
@@ -169,16 +165,59 @@ def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monk
 
     def measured_over_once(g, schedule, phases, inputs, no_grad):
         asked.append(schedule["solver"]["budget"])
-        return measured(g, schedule, phases, inputs, no_grad) + (overshoots.pop() if overshoots else 0)
+        real = measured(g, schedule, phases, inputs, no_grad)
+        return max(real, schedule["predicted"]["peak_bytes"]) + overshoots.pop() if overshoots else real
 
     monkeypatch.setattr(remat.module, "measured_peak", measured_over_once)
     torch.manual_seed(0)
     x = torch.randn(512, 256)
     rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
-    assert len(asked) == 2 and asked[1] < asked[0], asked
+    assert asked[1] < asked[0], asked
     assert rm._plan.peak <= rm.budget
-    assert rm.schedule["predicted"]["peak_bytes"] + rm.reserve <= rm.budget
     assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+
+
+def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_more(monkeypatch):
+    """Where Inductor's code leaves room (fused chains hold no intermediates), the solver is asked
+    for more, and the fastest predicted plan that keeps the budget runs."""
+    measured = remat.module.measured_peak
+    asked, times = [], []
+
+    def measured_under_once(g, schedule, phases, inputs, no_grad):
+        asked.append(schedule["solver"]["budget"])
+        times.append(schedule["predicted"]["time"])
+        real = measured(g, schedule, phases, inputs, no_grad)
+        return min(real, schedule["predicted"]["peak_bytes"]) - 2**18 if len(asked) == 1 else real
+
+    monkeypatch.setattr(remat.module, "measured_peak", measured_under_once)
+    torch.manual_seed(0)
+    x = torch.randn(512, 256)
+    rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
+    assert len(asked) >= 2 and asked[1] > asked[0], asked
+    assert rm._plan.peak <= rm.budget
+    assert rm.schedule["predicted"]["time"] <= times[0]
+
+
+def test_compiled_plans_count_inductors_generated_ops_at_a_share_of_their_eager_time():
+    """Matmuls and random ops keep their eager time; pointwise ops, fused by Inductor, take
+    ``GENERATED_SHARE`` of it."""
+    torch.manual_seed(0)
+    layers = (torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(256, 1))
+    g = remat.Remat(torch.nn.Sequential(*layers), torch.randn(256, 256))._plan.graph  # profiled, eager times
+    before = {n.id: n.time for n in g.nodes}
+    remat.inductor.compiled_times(g)
+    names = {n.id: str(getattr(n.fx_node.target, "overloadpacket", n.fx_node.target)) for n in g.nodes}
+    share = remat.inductor.GENERATED_SHARE
+    seen = set()
+    for n in g.nodes:
+        name = names[n.id].removeprefix("aten.")
+        if name in ("addmm", "mm", "native_dropout", "bernoulli"):
+            assert n.time == before[n.id], name
+            seen.add("kept")
+        elif name in ("gelu", "gelu_backward"):
+            assert n.time == pytest.approx(before[n.id] * share), name
+            seen.add("scaled")
+    assert seen == {"kept", "scaled"}, names
 
 
 def test_a_compiled_plan_runs_eagerly_where_every_compiled_plan_measures_over(monkeypatch):

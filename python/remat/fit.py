@@ -7,22 +7,25 @@ before it runs a step: both phases run once on the planning inputs (the generato
 restored after), each under the allocator's recorded events, the outputs held by the caller
 meanwhile and the output gradients through the backward (as autograd holds them). The measured
 step peak is the largest of the forward phase's measured peak, the predicted bytes at the
-forward's end (the outputs, what the backward reads, and the loss's room) and the predicted bytes
-at the backward's start plus the backward phase's measured peak.
-``Remat`` holds a compiled plan to the larger of this and the plan's prediction (the user's loss
-does not run here, and its transient memory is only predicted), and plans again for less where
-the measurement goes over (``module._fitted``).
+forward's end (the outputs, what the backward reads, and the loss's room), the predicted peak of
+the loss (the user's loss does not run here: the loss room's op, with the loss's temporaries) and
+the predicted bytes at the backward's start plus the backward phase's measured peak.
+``Remat`` holds a compiled plan to this, and plans again for less where the measurement goes over
+and for more where it leaves room (``module._fitted``).
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import _core
 from .amp import no_autocast
+from .boundary import loss_room
 from .executor import Phases
 from .graph import JointGraph
 from .memory import Allocations, peak, storage_ptrs
@@ -75,4 +78,14 @@ def measured_peak(
         ptrs = storage_ptrs(grads)
         del grads, held, given
         backward = peak(record.deltas, record.alive_at(ptrs))
-    return max(forward, predicted["forward_end_bytes"], predicted["backward_start_bytes"] + backward)
+    ends = (predicted["forward_end_bytes"], _loss_peak(g, schedule), predicted["backward_start_bytes"] + backward)
+    return max(forward, *ends)
+
+
+def _loss_peak(g: JointGraph, schedule: dict[str, Any]) -> int:
+    """The predicted peak at the loss room's op (0 without a loss room)."""
+    rooms = {n.id for n in g.nodes if n.fx_node.target is loss_room}
+    if not rooms:
+        return 0
+    curve = json.loads(_core.memory_curve(g.to_json(), json.dumps(schedule)))
+    return max((p["peak"] for p in curve if p.get("node") in rooms), default=0)

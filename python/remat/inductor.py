@@ -5,6 +5,11 @@ the values the plan hands it, and Inductor's own reordering for peak memory is o
 recomputations stay where the plan put them. Inductor fuses chains of pointwise ops and reuses
 dying buffers, which only removes intermediate tensors from what the plan counted.
 Compiling sees fake tensors only: it holds no memory of the step.
+
+A compiled plan is planned with each op's time as Inductor's code takes it (``compiled_times``):
+an op whose code Inductor generates is fused with its neighbours, so recomputing it costs a
+fraction of its eager time, while matmuls, convolutions, random ops (``fallback_random`` keeps
+them eager) and Inductor's fallbacks run the same kernels as eagerly.
 """
 
 from __future__ import annotations
@@ -15,12 +20,34 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._functorch.partitioners import get_default_op_list
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.lowering import fallbacks
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .graph import JointGraph
+
 log = logging.getLogger("remat")
+
+# The share of its eager time that an op whose code Inductor generates takes in a compiled phase.
+# Measured on this project's CPU: GPT-2 6L's plain phases run in 0.69x of eager's step, whose
+# profile spends 43% in matmuls and 12% in dropout's random draws, which gives 0.3 for the rest.
+GENERATED_SHARE = 0.3
+
+
+def compiled_times(g: JointGraph) -> None:
+    """Scale the time of each node of ``g`` whose code Inductor generates by ``GENERATED_SHARE``."""
+    ops = get_default_op_list()
+    kept = ops.compute_intensive_ops | ops.random_ops
+    for n in g.nodes:
+        target = n.fx_node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            continue
+        if n.random or target.overloadpacket in kept or target in fallbacks:
+            continue
+        n.time *= GENERATED_SHARE
 
 
 class CompiledPhase:
