@@ -779,8 +779,8 @@ def _warn_if_slow(plan: _Plan, options: _Options) -> None:
     target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
     where = (target - min_budget) / max(plain_peak - min_budget, 1)
     found = (
-        f"the solver found no plan within time_limit={options.time_limit} s and this one is the keep-set "
-        "heuristic's; a larger time_limit or budget may find a faster one"
+        f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
+        f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
         if (plan.schedule.get("solver") or {}).get("status") == "fallback"
         else "a larger budget runs faster"
     )
@@ -872,27 +872,18 @@ def _solve(
     g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], most: int, options: _Options
 ) -> tuple[dict[str, Any], int]:
     """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
-    replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back first
-    for every random node and copied buffer (``most``), then for what the schedule replays."""
-
-    def solve(held_back: int) -> dict[str, Any]:
-        o, room = options, max(target - held_back, 0)
-        return json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
-
+    replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back for every
+    random node and copied buffer (``most``) whatever the schedule replays: a room that depended
+    on a first schedule's replays would give a lower budget more room where that schedule
+    replayed fewer."""
     held_back = 0 if target >= plain_peak else most
+    o, room = options, max(target - held_back, 0)
     with stage(f"solve ({options.solver}, budget {target} bytes)"):
         try:
-            schedule = solve(held_back)
+            schedule = json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(target, exc.min_budget + most) from None
-        if held_back:
-            held_back = _reserve(g, schedule, copied)
-            if 0 < held_back < most:
-                tighter = solve(held_back)
-                tighter_reserve = _reserve(g, tighter, copied)
-                if tighter["predicted"]["peak_bytes"] + tighter_reserve <= target:
-                    schedule, held_back = tighter, tighter_reserve
-    return schedule, held_back
+    return schedule, _reserve(g, schedule, copied) if held_back else 0
 
 
 def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:

@@ -110,6 +110,33 @@ pub struct Report {
     pub recomputed_time: f64,
 }
 
+/// A schedule found near the budget runs instead of the grid's best only where it is faster by
+/// more than this share of the step: a smaller gain is below what a profile resolves (its nodes'
+/// times vary more from run to run), and what the grid finds is monotone in the budget
+/// (`docs/decisions.md`, "Limit search").
+pub const NEAR_GAIN: f64 = 0.002;
+
+/// The schedule to run: the best ([`Report::better_than`]) of `grid`, unless the best of `near`
+/// is faster by more than [`NEAR_GAIN`]. `grid` holds what searches the same at every budget
+/// found, `near` what searches at the budget itself found; plans the grid finds for a budget are
+/// found for every larger budget they fit, so a lower budget does not get a higher peak for a
+/// plan found near it and faster by noise only.
+pub fn chosen<T>(grid: Vec<T>, near: Vec<T>, report: impl Fn(&T) -> Report) -> Option<T> {
+    let best = |found: Vec<T>| {
+        found.into_iter().reduce(|a, b| {
+            if report(&b).better_than(&report(&a)) {
+                b
+            } else {
+                a
+            }
+        })
+    };
+    match (best(grid), best(near)) {
+        (Some(g), Some(n)) if report(&n).time >= (1.0 - NEAR_GAIN) * report(&g).time => Some(g),
+        (g, n) => n.or(g),
+    }
+}
+
 impl Report {
     /// Whether this schedule is better than `other`'s: faster, or as fast (to a relative 1e-9,
     /// the rounding of sums of the same times) with a lower peak. Among plans of equal time, the
@@ -121,5 +148,35 @@ impl Report {
         } else {
             self.time < other.time
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(time: f64, peak_bytes: u64) -> Report {
+        Report {
+            time,
+            peak_bytes,
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn a_plan_found_near_the_budget_runs_only_where_clearly_faster() {
+        let grid = vec![report(1.0, 100), report(1.0, 90), report(1.1, 50)];
+        let pick = |near: Vec<Report>| chosen(grid.clone(), near, |r| *r).unwrap();
+        // The grid's best: the fastest, the lower peak of equal times.
+        assert_eq!(pick(vec![]), report(1.0, 90));
+        // Faster by less than NEAR_GAIN: the grid's.
+        assert_eq!(pick(vec![report(0.999, 120)]), report(1.0, 90));
+        // Faster by more: the near one.
+        assert_eq!(pick(vec![report(0.99, 120)]), report(0.99, 120));
+        // Nothing on the grid fits: the near one.
+        assert_eq!(
+            chosen(vec![], vec![report(2.0, 10)], |r| *r),
+            Some(report(2.0, 10))
+        );
     }
 }

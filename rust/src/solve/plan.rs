@@ -6,7 +6,7 @@ use crate::graph::simplify::{simplify, SimpleGraph};
 use crate::graph::Graph;
 use crate::schedule::expand::{schedule_of, StagePlan};
 use crate::schedule::simulate::simulate;
-use crate::schedule::{Schedule, SolverInfo, SolverStatus};
+use crate::schedule::{chosen, Schedule, SolverInfo, SolverStatus};
 use crate::solve::baseline;
 use crate::solve::ilp;
 use crate::solve::rockmate::block::OptionSearch;
@@ -134,11 +134,12 @@ impl PlanOptions {
     }
 }
 
-/// The fastest schedule found whose activation memory stays within `budget` bytes.
+/// The fastest schedule found whose activation memory stays within `budget` bytes, where one
+/// found by searches at the budget itself is clearly faster than the grid's ([`chosen`]).
 ///
 /// Plain PyTorch's schedule when it fits; [`Error::Infeasible`] below the keep-nothing
-/// schedule's peak; otherwise the chosen solver's schedule, or the best keep-set heuristic
-/// schedule when that is faster (status `fallback`).
+/// schedule's peak; otherwise one of the chosen solver's schedules, or the best keep-set
+/// heuristic schedule (status `fallback`).
 pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedule> {
     options.check()?;
     let start = Instant::now();
@@ -161,22 +162,18 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
             let Some(hierarchy) = hierarchy_of(graph, &sg, options, &hierarchy_options)? else {
                 return Ok(None);
             };
-            let schedule =
-                rockmate::plan_blocks(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
-            let mut best = schedule.map(|s| (s, hierarchy.status));
+            // Both partitions' schedules, each with its hierarchy's status, chosen among at once.
+            let joined = rockmate::candidates(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
+            let mut found = Found::default();
+            found.add(joined, hierarchy.status);
             let fine = rockmate::finer_partition(&sg, &hierarchy_options, &hierarchy.partition);
             if let Some(fine) = fine {
                 let fine =
                     Hierarchy::reusing(graph, &sg, fine, &hierarchy_options, Some(&hierarchy))?;
-                let schedule =
-                    rockmate::plan_blocks(graph, &sg, &fine, budget, &hierarchy_options)?;
-                if let Some(s) =
-                    schedule.filter(|s| best.as_ref().is_none_or(|(b, _)| better(s, b)))
-                {
-                    best = Some((s, fine.status));
-                }
+                let more = rockmate::candidates(graph, &sg, &fine, budget, &hierarchy_options)?;
+                found.add(more, fine.status);
             }
-            Ok(Some(best))
+            Ok(Some(found))
         });
         let fallback = heuristic(graph, &sg, budget, &store);
         let hierarchical: Result<_> = hierarchical
@@ -189,15 +186,36 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
         plan: heuristic_plan,
         schedule: heuristic,
     } = fallback?;
-    let solved = match hierarchical? {
-        Some(solved) => solved,
-        None => checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?,
+    // Checkmate's schedule is the ILP's at the budget, found near it as the heuristic's is.
+    let mut found = match hierarchical? {
+        Some(found) => found,
+        None => Found {
+            grid: Vec::new(),
+            near: checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?
+                .into_iter()
+                .collect(),
+        },
     };
-    match solved {
-        Some((schedule, status)) if !better(&heuristic, &schedule) => {
-            Ok(with_info(schedule, info(status)))
-        }
-        _ => Ok(with_info(heuristic, info(SolverStatus::Fallback))),
+    found.near.push((heuristic, SolverStatus::Fallback));
+    let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
+    let (schedule, status) =
+        chosen(found.grid, found.near, report).expect("the heuristic's schedule fits");
+    Ok(with_info(schedule, info(status)))
+}
+
+/// The schedules the solvers found within the budget, each with the status of its search.
+#[derive(Default)]
+struct Found {
+    grid: Vec<(Schedule, SolverStatus)>,
+    near: Vec<(Schedule, SolverStatus)>,
+}
+
+impl Found {
+    fn add(&mut self, found: rockmate::Found, status: SolverStatus) {
+        self.grid
+            .extend(found.grid.into_iter().map(|s| (s, status)));
+        self.near
+            .extend(found.near.into_iter().map(|s| (s, status)));
     }
 }
 
@@ -348,14 +366,6 @@ fn simulated(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<Schedu
     })?;
     schedule.predicted = Some(report);
     Ok(schedule)
-}
-
-/// Whether simulated `a` is better than simulated `b` ([`crate::schedule::Report::better_than`]).
-fn better(a: &Schedule, b: &Schedule) -> bool {
-    match (a.predicted, b.predicted) {
-        (Some(a), Some(b)) => a.better_than(&b),
-        (a, _) => a.is_some(),
-    }
 }
 
 fn peak(schedule: &Schedule) -> u64 {

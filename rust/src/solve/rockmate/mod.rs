@@ -13,7 +13,7 @@ use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::graph::Graph;
 use crate::schedule::expand::schedule_of_sequence;
 use crate::schedule::simulate::simulate;
-use crate::schedule::{Report, Schedule, SolverStatus};
+use crate::schedule::{chosen, Report, Schedule, SolverStatus};
 use crate::solve::dp;
 use block::{OptionPlan, OptionSearch, RefillPlan, SubProblem};
 use partition::{partition, Partition, PartitionOptions};
@@ -27,7 +27,7 @@ mod search;
 
 use compose::*;
 use polish::*;
-pub use search::{finer_partition, plan_blocks};
+pub use search::{candidates, finer_partition, plan_blocks, Found};
 
 /// Settings of the hierarchical solvers.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -7,25 +7,25 @@ use super::*;
 /// composed one by varying amounts, so the fastest is not always the best start.
 pub(super) const POLISHED: usize = 3;
 
-/// The fastest of `fitting` each [`polish`]ed.
-pub(super) fn polish_all(
+/// `fitting`'s schedules, the [`POLISHED`] fastest each [`polish`]ed.
+pub(super) fn polish_fastest(
     graph: &Graph,
     sg: &SimpleGraph,
     hierarchy: &Hierarchy,
     budget: u64,
-    fitting: Vec<Composed>,
-) -> Result<Option<Schedule>> {
-    let mut best: Option<Composed> = None;
-    for composed in fitting {
-        let polished = polish(graph, sg, hierarchy, budget, composed)?;
-        if best
-            .as_ref()
-            .is_none_or(|b| polished.report().better_than(&b.report()))
-        {
-            best = Some(polished);
-        }
+    mut fitting: Vec<Composed>,
+) -> Result<Vec<Schedule>> {
+    fitting.sort_by(|a, b| a.time().total_cmp(&b.time()));
+    let mut out = Vec::with_capacity(fitting.len());
+    for (k, composed) in fitting.into_iter().enumerate() {
+        let composed = if k < POLISHED {
+            polish(graph, sg, hierarchy, budget, composed)?
+        } else {
+            composed
+        };
+        out.push(composed.schedule);
     }
-    Ok(best.map(|b| b.schedule))
+    Ok(out)
 }
 
 /// Rounds of [`polish`] at most.

@@ -37,8 +37,8 @@ pub fn finer_partition(
 /// Steps of the grid of limits scanned from the smallest to plain PyTorch's peak.
 pub(super) const SCAN_STEPS: usize = 8;
 
-/// The fastest composed schedule whose simulated peak is within `budget`, searching the DP's
-/// memory limit; `None` if none fits.
+/// The composed schedule to run within `budget` ([`chosen`] of what [`candidates`] finds);
+/// `None` if none fits.
 pub fn plan_blocks(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -46,36 +46,63 @@ pub fn plan_blocks(
     budget: u64,
     options: &HierarchyOptions,
 ) -> Result<Option<Schedule>> {
+    let Found { grid, near } = candidates(graph, sg, hierarchy, budget, options)?;
+    Ok(chosen(grid, near, |s| s.predicted.expect("simulated")))
+}
+
+/// The composed schedules a search of the DP's memory limit finds within a budget, the fastest
+/// few of each kind [`polish`]ed.
+pub struct Found {
+    /// From the grid of limits, the same at every budget.
+    pub grid: Vec<Schedule>,
+    /// From the limits the budget decides: the budget itself, with more slots on a short chain,
+    /// and the thirds between the largest fitting limit and the next.
+    pub near: Vec<Schedule>,
+}
+
+/// The composed schedules whose simulated peak is within `budget`, searching the DP's memory
+/// limit.
+pub fn candidates(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    budget: u64,
+    options: &HierarchyOptions,
+) -> Result<Found> {
     let slots = options.slots;
     let (min_limit, plain_limit) = dp::limits(&hierarchy.chain, slots)?;
-    let mut fastest: Vec<Composed> = Vec::new();
-    // Whether a probe's schedule fits the budget; the fastest few distinct ones are kept.
-    let mut consider = |composed: Option<Composed>| -> bool {
+    let (mut grid, mut near): (Vec<Composed>, Vec<Composed>) = (Vec::new(), Vec::new());
+    // Whether a probe's schedule fits the budget; the distinct ones that fit are kept.
+    let mut consider = |composed: Option<Composed>, on_grid: bool| -> bool {
         let Some(composed) = composed else {
             return false;
         };
         if composed.report().peak_bytes > budget {
             return false;
         }
-        if fastest.iter().all(|f| f.ops != composed.ops) {
-            fastest.push(composed);
-            fastest.sort_by(|a, b| a.time().total_cmp(&b.time()));
-            fastest.truncate(POLISHED);
+        let found = if on_grid { &mut grid } else { &mut near };
+        if found.iter().all(|f| f.ops != composed.ops) {
+            found.push(composed);
         }
         true
     };
     // The largest limit whose composed schedule fits (within 0.25%): the DP's model is coarser
     // than the composed schedule (storages spanning several cuts held for the whole step), so
-    // that limit may exceed the budget, and fitting is not monotone in the limit. So limits on a
-    // grid from the smallest to plain PyTorch's peak, the same at every budget, and the budget
-    // itself are probed in order up to the first above the budget that does not fit; then the
-    // gap above the largest fitting one is cut in thirds (two probes on all cores) until narrow.
-    // The grid makes plans nearly monotone in the budget: a schedule the grid finds for a budget
-    // is found for every larger budget it fits. Probes of limits of one slot unit share the DP's
-    // table (`dp::Solver`): the scan gives each core the limits of one unit.
+    // that limit may exceed the budget, and fitting is not monotone in the limit. So every limit
+    // on a grid from the smallest to plain PyTorch's peak, the same at every budget, and the
+    // budget itself are probed; then the gap above the largest fitting one is cut in thirds (two
+    // probes on all cores) until narrow. What the grid finds for a budget it finds for every
+    // larger budget it fits, and [`chosen`] prefers it to what the budget's own limits find
+    // unless that is clearly faster: plans are then nearly monotone in the budget. Probes of
+    // limits of one slot unit share the DP's table (`dp::Solver`): the scan gives each core the
+    // limits of one unit.
     let top = plain_limit.max(min_limit);
-    let mut scan: Vec<u64> = (0..=SCAN_STEPS)
+    let on_grid: Vec<u64> = (0..=SCAN_STEPS)
         .map(|k| min_limit + (top - min_limit) / SCAN_STEPS as u64 * k as u64)
+        .collect();
+    let mut scan: Vec<u64> = on_grid
+        .iter()
+        .copied()
         .chain(std::iter::once(budget.clamp(min_limit, top)))
         .collect();
     scan.sort_unstable();
@@ -95,40 +122,37 @@ pub fn plan_blocks(
             })
         });
         let mut fitting = None;
-        let mut k = 0;
-        'scan: for batch in units.chunks(crate::parallel::cores()) {
-            let each = |limits: &&[u64]| limits.iter().map(probe).collect::<Vec<_>>();
-            for schedule in crate::parallel::map(batch, each).into_iter().flatten() {
-                if consider(schedule?) {
-                    fitting = Some(k);
-                } else if scan[k] > budget {
-                    break 'scan;
-                }
-                k += 1;
+        let each = |limits: &&[u64]| limits.iter().map(probe).collect::<Vec<_>>();
+        let probed = crate::parallel::map(&units, each).into_iter().flatten();
+        for (k, schedule) in probed.enumerate() {
+            if consider(schedule?, on_grid.contains(&scan[k])) {
+                fitting = Some(k);
             }
         }
         let fine = fine.map(|f| f.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
         Ok::<_, crate::Error>((fine.transpose()?.flatten(), fitting))
     })?;
-    consider(fine);
-    let Some(k) = fitting else {
-        return polish_all(graph, sg, hierarchy, budget, fastest);
-    };
-    let (mut lo, mut hi) = (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k]));
-    for _ in 0..options.probes / 2 {
-        if hi <= lo + (lo / 400).max(1) {
-            break;
+    consider(fine, false);
+    if let Some(k) = fitting {
+        let (mut lo, mut hi) = (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k]));
+        for _ in 0..options.probes / 2 {
+            if hi <= lo + (lo / 400).max(1) {
+                break;
+            }
+            let thirds = [lo + (hi - lo) / 3, lo + (hi - lo) / 3 * 2];
+            let mut fits = [false; 2];
+            for (fit, schedule) in fits.iter_mut().zip(crate::parallel::map(&thirds, probe)) {
+                *fit = consider(schedule?, false);
+            }
+            (lo, hi) = match fits {
+                [_, true] => (thirds[1], hi),
+                [true, false] => (thirds[0], thirds[1]),
+                [false, false] => (lo, thirds[0]),
+            };
         }
-        let thirds = [lo + (hi - lo) / 3, lo + (hi - lo) / 3 * 2];
-        let mut fits = [false; 2];
-        for (fit, schedule) in fits.iter_mut().zip(crate::parallel::map(&thirds, probe)) {
-            *fit = consider(schedule?);
-        }
-        (lo, hi) = match fits {
-            [_, true] => (thirds[1], hi),
-            [true, false] => (thirds[0], thirds[1]),
-            [false, false] => (lo, thirds[0]),
-        };
     }
-    polish_all(graph, sg, hierarchy, budget, fastest)
+    Ok(Found {
+        grid: polish_fastest(graph, sg, hierarchy, budget, grid)?,
+        near: polish_fastest(graph, sg, hierarchy, budget, near)?,
+    })
 }
