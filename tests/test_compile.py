@@ -187,7 +187,8 @@ def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_mor
         asked.append(schedule["solver"]["budget"])
         times.append(schedule["predicted"]["time"])
         real = measured(g, schedule, phases, inputs, no_grad)
-        return min(real, schedule["predicted"]["peak_bytes"]) - 2**18 if len(asked) == 1 else real
+        # Two of the MLP's 512 KiB activations under: room for another plan whatever the profile.
+        return min(real, schedule["predicted"]["peak_bytes"]) - 2**20 if len(asked) == 1 else real
 
     monkeypatch.setattr(remat.module, "measured_peak", measured_under_once)
     torch.manual_seed(0)

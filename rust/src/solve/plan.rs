@@ -134,8 +134,8 @@ impl PlanOptions {
     }
 }
 
-/// The fastest schedule found whose activation memory stays within `budget` bytes, where one
-/// found by searches at the budget itself is clearly faster than the grid's ([`chosen`]).
+/// The schedule to run within `budget` bytes of activation memory: the fastest the grid of limits
+/// finds, or one found near the budget where that is clearly faster ([`chosen`]).
 ///
 /// Plain PyTorch's schedule when it fits; [`Error::Infeasible`] below the keep-nothing
 /// schedule's peak; otherwise one of the chosen solver's schedules, or the best keep-set
