@@ -64,3 +64,31 @@ def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(capl
         with pytest.raises(remat.RematError, match="outside the torch.profiler.profile"):
             remat.testing.measure_step(lambda: model(x).sum().backward(), list(model.parameters()))
     assert "torch.profiler is running" in caplog.text
+
+
+def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> None:
+    """GELU's backward reads dropout's output, so a compiled plan under half the plain peak
+    recomputes it: from the input and the mask the backward keeps, with each dropout drawn once
+    (no RNG state held back), and the gradients are plain PyTorch's up to Inductor's rounding."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.2), nn.GELU()) for _ in range(6)]
+    model, x = nn.Sequential(*layers).train(), torch.randn(256, 256)
+    rm = remat.Remat(model, x, 0.5, time_limit=5, compile=True)
+    nodes = rm.graph["nodes"]
+    masks = {n["outputs"][1] for n in nodes if n["target"] == "aten.native_dropout.default"}
+    products = {n["id"] for n in nodes if n["target"] == "aten.mul.Tensor" and masks & set(n["inputs"])}
+    assert len(masks) == len(products) == 6
+    computed = [op["node"] for phase in ("forward", "backward") for op in rm.schedule[phase] if op["op"] == "compute"]
+    draws = [n["id"] for n in nodes if n["target"] == "aten.native_dropout.default"]
+    assert all(computed.count(d) == 1 for d in draws)
+    assert sum(computed.count(p) > 1 for p in products) >= 1
+    assert rm.reserve == 0
+
+    grads = []
+    for runner in (model, rm):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        runner(x).pow(2).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for ours, plain in zip(*grads):
+        torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)

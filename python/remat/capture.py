@@ -9,6 +9,7 @@ placeholders.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -85,8 +86,9 @@ def unflatten_inputs(spec: pytree.TreeSpec, consts: list, tensors: list[torch.Te
     return pytree.tree_unflatten(leaves, spec)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Trace ``model(*args, **kwargs)`` into a joint forward+backward graph."""
+def capture(model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False) -> Captured:
+    """Trace ``model(*args, **kwargs)`` into a joint forward+backward graph; ``compiled``: for
+    Inductor, which fuses dropout's output into its reader (``_dropout_from_its_mask``)."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     tensors, in_spec, consts = flatten_inputs(args, kwargs)
@@ -106,6 +108,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     if flat.out_spec is None:
         raise CaptureError(f"{type(model).__name__} produced no output during capture")
 
+    if compiled:
+        _dropout_from_its_mask(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     bindings = [_binding(n) for n in placeholders]
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -177,6 +181,49 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+
+
+def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
+    """Dropout's output is read as its input times its mask times ``1 / (1 - p)``, the mask being
+    the random draw: recomputing the output then reads the mask, which the backward keeps anyway,
+    instead of replaying the draw (which costs a saved RNG state and the draw's time). Inductor
+    fuses the two products into their reader; eager code would run them as two more passes over
+    the tensor. The values are the kernel's on CPU, and on CUDA in float32 and float64 (the CUDA
+    kernel scales low precision in float32, so its output is read there)."""
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.native_dropout.default:
+            continue
+        x, p, train = (*node.args, None)[:3]
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if train is False or not 0 < p < 1 or not isinstance(val, torch.Tensor):
+            continue
+        if val.device.type != "cpu" and val.dtype not in (torch.float32, torch.float64):
+            continue
+        parts = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if 0 not in parts:
+            continue
+        out = parts[0]
+        tag = {"partitioner_tag": node.meta["partitioner_tag"]} if "partitioner_tag" in node.meta else {}
+        with gm.graph.inserting_before(max(parts.values(), key=order.__getitem__).next):
+            mask = parts.get(1) or gm.graph.call_function(operator.getitem, (node, 1))
+            scale = gm.graph.call_function(
+                aten.scalar_tensor.default, (1 / (1 - p),), {"dtype": val.dtype, "device": val.device}
+            )
+            kept = gm.graph.call_function(aten.mul.Tensor, (x, mask))
+            scaled = gm.graph.call_function(aten.mul.Tensor, (kept, scale))
+        if 1 not in parts:
+            mask.meta = {**tag, "val": node.meta["val"][1]}
+        drawn, mask_val = node.meta["val"]
+        with val.fake_mode:  # the readers' views are of the product's storage now, not the kernel's output's
+            node.meta["val"] = (torch.empty_like(drawn), mask_val)
+            scale.meta = {**tag, "val": aten.scalar_tensor.default(1 / (1 - p), dtype=val.dtype, device=val.device)}
+            kept.meta = {**tag, "val": aten.mul.Tensor(val, mask_val)}
+        scaled.meta = {**tag, "val": drawn}
+        out.replace_all_uses_with(scaled)
+        gm.graph.erase_node(out)
     gm.recompile()
 
 

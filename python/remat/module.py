@@ -166,7 +166,7 @@ class Remat(nn.Module):
         measure = _Measure()
         measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
-            base = captured(self.model, args, kwargs)
+            base = captured(self.model, args, kwargs, options.compile)
             file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)

@@ -26,11 +26,12 @@ def trace(
     return g
 
 
-def captured(model: nn.Module, args: tuple, kwargs: dict) -> JointGraph:
+def captured(model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False) -> JointGraph:
     """The joint graph of one training step, with sizes and aliases from its fake tensors and
-    estimated times. It holds the casts of the autocast state of the call (``remat.amp``)."""
+    estimated times. It holds the casts of the autocast state of the call (``remat.amp``);
+    ``compiled``: for Inductor (``capture``)."""
     with stage("capture"):
-        g = build_graph(capture(model, args, kwargs), type(model).__name__)
+        g = build_graph(capture(model, args, kwargs, compiled), type(model).__name__)
         estimate(g)
         accumulate_in_place(g)
     return g
