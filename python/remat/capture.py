@@ -88,7 +88,8 @@ def unflatten_inputs(spec: pytree.TreeSpec, consts: list, tensors: list[torch.Te
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False) -> Captured:
     """Trace ``model(*args, **kwargs)`` into a joint forward+backward graph; ``compiled``: for
-    Inductor, which fuses dropout's output into its reader (``_dropout_from_its_mask``)."""
+    Inductor, which fuses the products that give dropout's output into their reader
+    (``_dropout_from_its_mask``)."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     tensors, in_spec, consts = flatten_inputs(args, kwargs)
