@@ -4,10 +4,12 @@ eager, compiled (``compile=True``) and as a torch.compile backend (``remat.backe
 budgets, measured side by side in one process.
 
 Each run's step time is the median of ``--steps`` steps, each run right after an eager step,
-and is given as a ratio to the median of those eager steps. The peak is one step's: peak RSS on
-CPU (``remat.testing.rss_peak``; the script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``),
-``torch.cuda.max_memory_allocated`` on CUDA (bf16 autocast there); parameter gradients made by
-the step are included in every row. The loss is ``logits.pow(2).mean()`` outside the model.
+and is given as a ratio to the median of those eager steps. The time until a run has made its
+first two steps counts its planning and compiling (remat plans again for the measured loss in
+its second step). The peak is one step's: peak RSS on CPU (``remat.testing.rss_peak``; the
+script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``), ``torch.cuda.max_memory_allocated``
+on CUDA (bf16 autocast there); parameter gradients made by the step are included in every row.
+The loss is ``logits.pow(2).mean()`` outside the model (MSE for the ResNet).
 
     .venv/bin/python benches/compile_gpt2.py                       # GPT-2 6L, n_embd 256, 4 x 256
     .venv/bin/python benches/compile_gpt2.py --layers 12 --remat 0.5 0.3 smallest
@@ -69,24 +71,29 @@ def main() -> None:
         return step
 
     eager = step_of(model)
-    rows: list[tuple[str, int, float]] = []
+    rows: list[tuple[str, int, float, float]] = []
 
-    def run(label: str, runner: Callable, warmup: int = 2) -> None:
+    def run(label: str, runner: Callable, since: float | None = None, warmup: int = 2) -> None:
+        """``since``: when planning ``runner`` began, for the time until it has run ``warmup`` steps."""
         step = step_of(runner)
+        since = time.perf_counter() if since is None else since
         for _ in range(warmup):  # compilation; remat plans again for the loss on its first step
             step()
+        ready = time.perf_counter() - since
         model.zero_grad(set_to_none=True)  # the last step's gradients are freed before the peak's baseline
         peak = remat.testing.cuda_peak(step) if cuda else remat.testing.rss_peak(step)
         ours, theirs = [], []
         for _ in range(args.steps):
             theirs.append(_timed(eager))
             ours.append(_timed(step))
-        rows.append((label, peak, statistics.median(ours) / statistics.median(theirs)))
-        print(f"{label}: {peak / 2**20:.1f} MiB, {rows[-1][2]:.2f}x eager", flush=True)
+        rows.append((label, peak, statistics.median(ours) / statistics.median(theirs), ready))
+        print(f"{label}: {peak / 2**20:.1f} MiB, {rows[-1][2]:.2f}x eager, ready in {ready:.1f} s", flush=True)
 
     run("eager", model)
     eager_peak = rows[0][1]
-    if hasattr(model, "gradient_checkpointing_enable"):
+    if args.resnet:
+        run("torch.utils.checkpoint, every block", lambda images: _resnet_checkpointed(model, images))
+    else:
         model.gradient_checkpointing_enable()
         run("torch.utils.checkpoint, every layer", model)
         model.gradient_checkpointing_disable()
@@ -100,6 +107,7 @@ def main() -> None:
         for budget in args.remat:
             label = f"remat{' compiled' if compile else ''}, budget {budget}"
             try:
+                t0 = time.perf_counter()
                 with autocast:
                     rm = remat.Remat(model, sample, 1.0 if budget == "smallest" else budget, compile=compile)
                 if budget == "smallest":
@@ -108,7 +116,7 @@ def main() -> None:
                     smallest = rm.min_budget
                     rm.set_budget(smallest)
                     label = f"{label} ({smallest} bytes)"
-                run(label, rm)
+                run(label, rm, since=t0)
             except remat.InfeasibleBudget as exc:  # the first step measured a loss that leaves no room
                 print(f"{label}: {exc}", flush=True)
     for budget in args.remat:
@@ -125,10 +133,10 @@ def main() -> None:
 
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n{name}, {where}; peaks as a share of eager's {eager_peak / 2**20:.0f} MiB")
-    print("| run | measured peak | step vs eager |")
-    print("|---|---|---|")
-    for label, peak, ratio in rows:
-        print(f"| {label} | {peak / 2**20:.1f} MiB ({peak / eager_peak:.0%}) | {ratio:.2f}x |")
+    print("| run | measured peak | step vs eager | planned, compiled and 2 steps run |")
+    print("|---|---|---|---|")
+    for label, peak, ratio, ready in rows:
+        print(f"| {label} | {peak / 2**20:.1f} MiB ({peak / eager_peak:.0%}) | {ratio:.2f}x | {ready:.1f} s |")
 
 
 def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
@@ -156,6 +164,15 @@ def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
     tokens = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
     name = f"GPT-2 {args.layers}L, n_embd {args.embd}, vocab {args.vocab}, {args.batch} x {args.seq} tokens"
     return model, tokens, lambda out: out.logits.float().pow(2).mean(), name
+
+
+def _resnet_checkpointed(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """torchvision's ResNet forward with each residual block under ``torch.utils.checkpoint``."""
+    x = model.maxpool(model.relu(model.bn1(model.conv1(images))))
+    for layer in (model.layer1, model.layer2, model.layer3, model.layer4):
+        for block in layer:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    return model.fc(torch.flatten(model.avgpool(x), 1))
 
 
 def _budget(text: str) -> float | int | str:

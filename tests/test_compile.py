@@ -233,3 +233,26 @@ def test_a_compiled_plan_runs_eagerly_where_every_compiled_plan_measures_over(mo
     rm(x).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
     assert_close_grads(_grads(model), _grads(reference))
+
+
+def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch):
+    """Inductor's compile time grows with a phase's ops: a schedule whose recomputations run the
+    graph's ops more than ``MAX_COMPILED_RUNS`` times over runs eagerly, and nothing is compiled."""
+    monkeypatch.setattr(remat.module, "MAX_COMPILED_RUNS", 1.0)
+
+    def compile(*args):
+        raise AssertionError("a phase was compiled")
+
+    monkeypatch.setattr(remat.inductor, "_compile", compile)
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(512, 256)
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    with pytest.warns(UserWarning, match="times over: Inductor would take many minutes"):
+        rm = remat.Remat(model, x, 0.6, compile=True, measure_loss=False)
+    runs = sum(op["op"] == "compute" for phase in ("forward", "backward") for op in rm.schedule[phase])
+    assert runs > len(rm.graph["nodes"])
+    assert not isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+    rm(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_close_grads(_grads(model), _grads(reference))

@@ -69,15 +69,16 @@ def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(capl
 def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> None:
     """GELU's backward reads dropout's output, so a compiled plan under half the plain peak
     recomputes it: from the input and the mask the backward keeps, with each dropout drawn once
-    (no RNG state held back), and the gradients are plain PyTorch's up to Inductor's rounding."""
+    (no RNG state held back), and the gradients are plain PyTorch's up to Inductor's rounding.
+    The first dropout reads the input, which has no gradient: its mask is read for the product alone."""
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.2), nn.GELU()) for _ in range(6)]
-    model, x = nn.Sequential(*layers).train(), torch.randn(256, 256)
+    model, x = nn.Sequential(nn.Dropout(0.3), *layers).train(), torch.randn(256, 256)
     rm = remat.Remat(model, x, 0.5, time_limit=5, compile=True)
     nodes = rm.graph["nodes"]
     masks = {n["outputs"][1] for n in nodes if n["target"] == "aten.native_dropout.default"}
     products = {n["id"] for n in nodes if n["target"] == "aten.mul.Tensor" and masks & set(n["inputs"])}
-    assert len(masks) == len(products) == 6
+    assert len(masks) == len(products) == 7
     computed = [op["node"] for phase in ("forward", "backward") for op in rm.schedule[phase] if op["op"] == "compute"]
     draws = [n["id"] for n in nodes if n["target"] == "aten.native_dropout.default"]
     assert all(computed.count(d) == 1 for d in draws)

@@ -208,19 +208,18 @@ def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
             continue
         out = parts[0]
         tag = {"partitioner_tag": node.meta["partitioner_tag"]} if "partitioner_tag" in node.meta else {}
+        factor, (drawn, mask_val) = 1 / (1 - p), node.meta["val"]
         with gm.graph.inserting_before(max(parts.values(), key=order.__getitem__).next):
             mask = parts.get(1) or gm.graph.call_function(operator.getitem, (node, 1))
-            scale = gm.graph.call_function(
-                aten.scalar_tensor.default, (1 / (1 - p),), {"dtype": val.dtype, "device": val.device}
-            )
+            options = {"dtype": val.dtype, "device": val.device}
+            scale = gm.graph.call_function(aten.scalar_tensor.default, (factor,), options)
             kept = gm.graph.call_function(aten.mul.Tensor, (x, mask))
             scaled = gm.graph.call_function(aten.mul.Tensor, (kept, scale))
         if 1 not in parts:
-            mask.meta = {**tag, "val": node.meta["val"][1]}
-        drawn, mask_val = node.meta["val"]
+            mask.meta = {**tag, "val": mask_val}
         with val.fake_mode:  # the readers' views are of the product's storage now, not the kernel's output's
             node.meta["val"] = (torch.empty_like(drawn), mask_val)
-            scale.meta = {**tag, "val": aten.scalar_tensor.default(1 / (1 - p), dtype=val.dtype, device=val.device)}
+            scale.meta = {**tag, "val": aten.scalar_tensor.default(factor, **options)}
             kept.meta = {**tag, "val": aten.mul.Tensor(val, mask_val)}
         scaled.meta = {**tag, "val": drawn}
         out.replace_all_uses_with(scaled)

@@ -101,10 +101,9 @@ def storage_ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
 def peak(deltas: list[tuple[int, int]], skip: set[int], start: int = 0, end: int | None = None) -> int:
     """The highest live bytes over ``deltas[start:end]``, above the live bytes at ``start``; the
     allocations of serials in ``skip`` (and their releases) are left out."""
-    base = sum(d for s, d in deltas[:start] if s not in skip)
-    live = high = base
+    live = high = 0
     for serial, delta in deltas[start:end]:
         if serial not in skip:
             live += delta
         high = max(high, live)
-    return high - base
+    return high

@@ -798,6 +798,12 @@ FIT_ROUNDS = 3
 # A compiled plan that measures under the budget by more than this share of it is planned again,
 # for the budget raised by what it measures under its prediction.
 FIT_SLACK = 0.03
+# A schedule that runs more compute ops than this many times the graph's nodes is not compiled:
+# Inductor's compile time grows with a phase's ops, and such a step's time is its recomputation,
+# compiled or not. The solvers' plans of the saved graphs (rust/tests/graphs) run their ops at most
+# 1.8 times over, from the smallest budget up; the keep-set schedules below those budgets 7.8 to
+# 34 times (GPT-2 12L's 64,164 ops for 1,891 nodes compiled for over 15 minutes on 2 cores).
+MAX_COMPILED_RUNS = 4
 
 
 def _fitted(
@@ -813,7 +819,8 @@ def _fitted(
     reorders, so it is asked again for the budget moved by what the measurement differs from the
     prediction by, where the plan goes over or leaves over ``FIT_SLACK`` unused; of the plans that
     keep the budget, the fastest predicted runs. Where none keeps it, the first schedule runs
-    eagerly, as predicted, with a warning. ``fitting``: the target, plain PyTorch's peak, the
+    eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
+    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target, plain PyTorch's peak, the
     copied buffers and the most bytes held back (``_make_plan``)."""
     target, plain_peak, copied, most = fitting
     asked, first, best = target, None, None
@@ -830,6 +837,17 @@ def _fitted(
             break
         tried.add(ops)
         first = first or (schedule, held_back)
+        runs = _runs(schedule) / max(len(g.nodes), 1)
+        if runs > MAX_COMPILED_RUNS:
+            if best is not None:
+                break
+            warnings.warn(
+                f"remat: the plan for {target} bytes runs the graph's ops {runs:.0f} times over: Inductor would "
+                "take many minutes to compile phases that long, so this plan runs eagerly; a larger budget "
+                "gives a plan that compiles",
+                stacklevel=2,
+            )
+            return _eager(g, schedule, held_back)
         phases = build_phases(g, schedule, compiled=True)
         peak = _compiled_peak(g, schedule, phases, tensors, no_grad) + held_back
         if peak <= target:
@@ -841,18 +859,23 @@ def _fitted(
     if best is not None:
         return best
     assert first is not None
-    schedule, held_back = first
     warnings.warn(
         f"remat: the compiled phases of every plan tried measure over the budget of {target} bytes "
         "(Inductor's code holds more than the planned order); this plan runs eagerly",
         stacklevel=2,
     )
-    return (
-        schedule,
-        held_back,
-        build_phases(g, schedule, compiled=False),
-        schedule["predicted"]["peak_bytes"] + held_back,
-    )
+    return _eager(g, *first)
+
+
+def _eager(g: JointGraph, schedule: dict[str, Any], held_back: int) -> tuple[dict[str, Any], int, Phases, int]:
+    """``schedule``'s plan with eager phases, at its predicted peak (as ``_fitted`` returns it)."""
+    phases = build_phases(g, schedule, compiled=False)
+    return schedule, held_back, phases, schedule["predicted"]["peak_bytes"] + held_back
+
+
+def _runs(schedule: dict[str, Any]) -> int:
+    """The compute ops of ``schedule``: the graph's nodes and their recomputations."""
+    return sum(op["op"] == "compute" for phase in ("forward", "backward") for op in schedule[phase])
 
 
 def _compiled_peak(
