@@ -102,16 +102,22 @@ class _TwoHeads(nn.Module):
         return self.head(h), self.side(h)
 
 
-def test_an_unmeasured_loss_is_estimated_over_the_outputs_it_differentiates() -> None:
+@pytest.mark.parametrize("hold", [False, True])
+def test_an_unmeasured_loss_is_estimated_over_the_outputs_it_differentiates(hold: bool) -> None:
     """Where no step measures the loss (``measure_loss=False``, as for ``remat.backend``'s
-    graphs), the first step tells the outputs without gradient: the next is planned for a loss
-    room without them, and the parameters only they read get no gradient, as in plain PyTorch."""
+    graphs), the first step tells the outputs without gradient and those the caller let go of
+    before the backward: the next is planned for a loss room without the former, with the latter
+    released, and the parameters only the former read get no gradient, as in plain PyTorch."""
     torch.manual_seed(0)
     model, x = _TwoHeads(), torch.randn(64, 128)
 
     def step(runner: nn.Module) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        runner(x)[0].pow(2).mean().backward()
+        outputs = runner(x)
+        loss = outputs[0].pow(2).mean()
+        if not hold:
+            del outputs
+        loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = step(model)
@@ -120,6 +126,7 @@ def test_an_unmeasured_loss_is_estimated_over_the_outputs_it_differentiates() ->
     assert first.no_grad == frozenset()
     grads = [step(rm) for _ in range(2)]
     assert rm.outside.no_grad == frozenset({1})
+    assert rm.outside.released == (frozenset() if hold else frozenset({0, 1}))
     head_room = remat.boundary.LOSS_TENSORS_PER_OUTPUT * 64 * 512 * 4 + remat.boundary.LOSS_SCALARS
     assert rm.outside.loss_bytes == head_room < first.loss_bytes
     for got in grads:

@@ -111,12 +111,15 @@ def output_bytes(g: JointGraph, indices: frozenset[int]) -> int:
     return sum(_nbytes(g.values[values[i]].source.meta["val"], g.values[values[i]].index) for i in indices)
 
 
-def estimated_outside(g: JointGraph, no_grad: frozenset[int] = frozenset()) -> Outside:
+def estimated_outside(
+    g: JointGraph, no_grad: frozenset[int] = frozenset(), released: frozenset[int] = frozenset()
+) -> Outside:
     """What the step holds outside the graph before a step has measured it: a few tensors of the
-    size of each differentiable output (but those of ``no_grad``, which no loss reads), and the loss."""
+    size of each differentiable output (but those of ``no_grad``, which no loss reads), and the
+    loss; ``released``: the outputs the step lets go of before its backward."""
     outputs = [g.values[v] for i, v in differentiable_outputs(g).items() if i not in no_grad]
     room = LOSS_TENSORS_PER_OUTPUT * sum(_nbytes(v.source.meta["val"], v.index) for v in outputs)
-    return Outside(room + LOSS_SCALARS, LOSS_SCALARS, no_grad)
+    return Outside(room + LOSS_SCALARS, LOSS_SCALARS, no_grad, released)
 
 
 def _nbytes(val, index: int | None) -> int:

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -252,8 +253,8 @@ class Remat(nn.Module):
         """The smallest budget with room for the loss estimated over the outputs the first step
         differentiated (all, before a step has told them); without ``loss``, with none."""
         assert self._current is not None
-        base, no_grad = self._current.base, self._current.measure.no_grad
-        return _min_with(base, _estimated(base, no_grad, loss))
+        base, learned = self._current.base, self._current.measure.learned
+        return _min_with(base, _estimated(base, learned, loss))
 
     @property
     def graphs(self) -> Graphs | None:
@@ -320,23 +321,28 @@ class Remat(nn.Module):
         planned.measure.settle(others=not compiled)
         if planned.measure.outside is not None:
             self._plan_for_measured(planned)
-        elif planned.measure.no_grad is not None and not planned.measure.no_grad_planned:
+        elif planned.measure.learned is not None and not planned.measure.learned_planned:
             self._plan_for_outputs(planned)
         return planned.plan.run(self.model, args, kwargs, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
-        """Plan again, once, for the loss estimated over the outputs the first step differentiated
-        (where the loss is not measured: a compiled caller, ``measure_loss=False``)."""
+        """Plan again, once, for the loss estimated over the outputs the first step differentiated,
+        with those it let go of before the backward released (where the loss is not measured: a
+        compiled caller, ``measure_loss=False``)."""
         measure = planned.measure
-        measure.no_grad_planned = True
-        estimate = _estimated(planned.base, measure.no_grad, self._loss_after)
+        learned = measure.learned
+        assert learned is not None
+        measure.learned_planned = True
+        estimate = _estimated(planned.base, learned, self._loss_after)
         if self._budget_arg is None or planned.plan.outside == estimate:
             return
-        plan = _first_plan(
-            planned.base, self._budget_arg, self._options, planned.inputs, measure.no_grad, self._loss_after
-        )
+        plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, learned, self._loss_after)
         planned.adopt(plan, self._options)
-        log.info("planned again for the loss estimated without the %d outputs given no gradient", len(measure.no_grad))
+        log.info(
+            "planned again for the loss estimated without the %d outputs given no gradient, %d outputs released",
+            len(learned.no_grad),
+            len(learned.released),
+        )
 
     def _plan_for_measured(self, planned: _Planned) -> None:
         """Plan again for what the first step measured outside the graph (once)."""
@@ -435,9 +441,11 @@ class _Measure:
         self.attempts = 0
         self.window: Window | None = None  # open, or closed and not yet removed
         self.outside: Outside | None = None  # measured, not yet planned for
-        # Where no window measures the loss: the outputs the first step gave no gradient.
-        self.no_grad: frozenset[int] | None = None
-        self.no_grad_planned = False
+        # Where no window measures the loss: the outputs the first step gave no gradient and
+        # those it let go of before its backward (an ``Outside`` without loss bytes).
+        self.learned: Outside | None = None
+        self.learned_planned = False
+        self.watched: list[weakref.ref] = []  # the outputs of the forward whose backward tells them
 
     def give_up(self) -> None:
         """No window: called from a torch.compile'd module, whose frames restore the dispatch
@@ -454,10 +462,21 @@ class _Measure:
     def wanted(self) -> bool:
         return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
 
+    def learning(self) -> bool:
+        """Whether the outputs are still to be learned without a window (first step only)."""
+        return self.done and not self.measured and self.learned is None
+
+    def watch(self, outputs: list[torch.Tensor]) -> None:
+        """The tensors handed to the user by a forward no window measures."""
+        self.watched = [weakref.ref(t) for t in outputs]
+
     def learn_outputs(self, grads: tuple) -> None:
-        """At a backward whose loss no window measured: the outputs without gradient (first step only)."""
-        if self.done and not self.measured and self.no_grad is None:
-            self.no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
+        """At a backward whose loss no window measured: the outputs without gradient, and those
+        the user let go of (first step only)."""
+        if self.learning():
+            no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
+            released = frozenset(i for i, ref in enumerate(self.watched) if ref() is None)
+            self.learned, self.watched = Outside(0, 0, no_grad, released), []
 
     def settle(self, others: bool) -> None:
         """Before a forward: a window still there is removed (one still open measured nothing),
@@ -618,6 +637,8 @@ class _Plan:
         outs = Step.apply(self, self.marked_phases if marked else self.phases, vids, *inputs.values())
         if self.measure is not None and self.measure.window is not None:
             self.measure.window.watch(list(outs))
+        elif self.measure is not None and self.measure.learning():
+            self.measure.watch(list(outs))
         return tree.unflatten(self.graph.captured.out_spec, list(outs))
 
 
@@ -626,20 +647,20 @@ def _first_plan(
     budget: int | float,
     options: _Options,
     inputs: PlanInputs | None = None,
-    no_grad: frozenset[int] | None = None,
+    learned: Outside | None = None,
     loss: bool = True,
 ) -> _Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much of
     it as the budget allows; where even none fits, the plan assumes no output gets a gradient or
-    stays held (the loss is inside the model), which the first step checks. ``no_grad``: the
-    outputs a step gave no gradient where no step measures the loss; the estimate over the others
-    is then all remat knows of the loss, and a budget without room for it raises
-    ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of the
-    plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
-    estimate = _estimated(base, no_grad, loss)
+    stays held (the loss is inside the model), which the first step checks. ``learned``: the
+    outputs a step gave no gradient and those it released, where no step measures the loss; the
+    estimate over the others is then all remat knows of the loss, and a budget without room for it
+    raises ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of
+    the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
+    estimate = _estimated(base, learned, loss)
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
         budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
-    if no_grad is not None:
+    if learned is not None:
         try:
             return _make_plan(base, estimate, budget, options, inputs)
         except InfeasibleBudget as exc:
@@ -675,14 +696,16 @@ def _plan_again(planned: _Planned, budget: int | float | None, options: _Options
     """``planned`` for another budget: for its measured loss, or as before a step measured it."""
     if planned.measure.measured:
         return _make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
-    return _first_plan(planned.base, budget, options, planned.inputs, planned.measure.no_grad, loss)
+    return _first_plan(planned.base, budget, options, planned.inputs, planned.measure.learned, loss)
 
 
-def _estimated(base: JointGraph, no_grad: frozenset[int] | None, loss: bool) -> Outside:
-    """The estimated loss room over the outputs but ``no_grad``; none without ``loss``."""
+def _estimated(base: JointGraph, learned: Outside | None, loss: bool) -> Outside:
+    """The estimated loss room over the outputs but ``learned.no_grad``, with ``learned``'s
+    outputs without gradient and released; no room without ``loss``."""
+    no_grad, released = (frozenset(), frozenset()) if learned is None else (learned.no_grad, learned.released)
     if not loss:
-        return Outside(0, 0, no_grad or frozenset())
-    return estimated_outside(base, no_grad or frozenset())
+        return Outside(0, 0, no_grad, released)
+    return estimated_outside(base, no_grad, released)
 
 
 def _min_without_loss(base: JointGraph) -> int:
