@@ -3,9 +3,10 @@
 Each graph Dynamo captures becomes a ``Remat`` of its ``GraphModule`` (parameters arrive as
 its inputs), planned at its first training call and run through Inductor. The loss outside the
 graphs cannot be measured from compiled frames: the last graph of a step keeps room for the
-estimated loss over the outputs the first step differentiated, and a budget without that room
-raises ``InfeasibleBudget`` from the second step on (the first plan makes the room as small as the
-budget needs, as it does not know those outputs yet).
+estimated loss over the outputs the first step differentiated (those it let go of before the
+backward are released from then on), and a budget without that room raises ``InfeasibleBudget``
+from the second step on (the first plan makes the room as small as the budget needs, as it does
+not know those outputs yet).
 
 With graph breaks a step runs several graphs, one after the other, and each holds its outputs
 and saved activations until its backward. A graph's share of a budget in bytes is the budget
