@@ -8,7 +8,9 @@ and is given as a ratio to the median of those eager steps. The time until a run
 first two steps counts its planning and compiling (remat plans again for the measured loss in
 its second step). The peak is one step's: peak RSS on CPU (``remat.testing.rss_peak``; the
 script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``), ``torch.cuda.max_memory_allocated``
-on CUDA (bf16 autocast there); parameter gradients made by the step are included in every row.
+on CUDA (bf16 autocast there); on CPU also the peak of the allocators' events
+(``remat.testing.measure_step``), which does not depend on what the C allocator keeps mapped.
+Parameter gradients made by the step are included in every row.
 The loss is ``logits.pow(2).mean()`` outside the model (MSE for the ResNet).
 
     .venv/bin/python benches/compile_gpt2.py                       # GPT-2 6L, n_embd 256, 4 x 256
@@ -71,7 +73,7 @@ def main() -> None:
         return step
 
     eager = step_of(model)
-    rows: list[tuple[str, int, float, float]] = []
+    rows: list[tuple[str, int, int | None, float, float]] = []
 
     def run(label: str, runner: Callable, since: float | None = None, warmup: int = 2) -> None:
         """``since``: when planning ``runner`` began, for the time until it has run ``warmup`` steps."""
@@ -82,12 +84,16 @@ def main() -> None:
         ready = time.perf_counter() - since
         model.zero_grad(set_to_none=True)  # the last step's gradients are freed before the peak's baseline
         peak = remat.testing.cuda_peak(step) if cuda else remat.testing.rss_peak(step)
+        events = None
+        if not cuda:  # a second measure, independent of what the C allocator keeps mapped
+            model.zero_grad(set_to_none=True)
+            events = remat.testing.measure_step(step, list(model.parameters())).peak_with_grads
         ours, theirs = [], []
         for _ in range(args.steps):
             theirs.append(_timed(eager))
             ours.append(_timed(step))
-        rows.append((label, peak, statistics.median(ours) / statistics.median(theirs), ready))
-        print(f"{label}: {peak / 2**20:.1f} MiB, {rows[-1][2]:.2f}x eager, ready in {ready:.1f} s", flush=True)
+        rows.append((label, peak, events, statistics.median(ours) / statistics.median(theirs), ready))
+        print(f"{label}: {_row(*rows[-1], eager_peak=rows[0][1])}", flush=True)
 
     run("eager", model)
     eager_peak = rows[0][1]
@@ -133,10 +139,11 @@ def main() -> None:
 
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"\n{name}, {where}; peaks as a share of eager's {eager_peak / 2**20:.0f} MiB")
-    print("| run | measured peak | step vs eager | planned, compiled and 2 steps run |")
-    print("|---|---|---|---|")
-    for label, peak, ratio, ready in rows:
-        print(f"| {label} | {peak / 2**20:.1f} MiB ({peak / eager_peak:.0%}) | {ratio:.2f}x | {ready:.1f} s |")
+    measured = "peak" if cuda else "peak RSS | peak (allocator events)"
+    print(f"| run | {measured} | step vs eager | planned, compiled and 2 steps run |")
+    print(f"|---|---|{'' if cuda else '---|'}---|---|")
+    for row in rows:
+        print(f"| {row[0]} | {_row(*row, eager_peak=eager_peak)} |")
 
 
 def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
@@ -164,6 +171,14 @@ def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
     tokens = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
     name = f"GPT-2 {args.layers}L, n_embd {args.embd}, vocab {args.vocab}, {args.batch} x {args.seq} tokens"
     return model, tokens, lambda out: out.logits.float().pow(2).mean(), name
+
+
+def _row(label: str, peak: int, events: int | None, ratio: float, ready: float, eager_peak: int) -> str:
+    """A table row's cells after the label."""
+    cells = [f"{peak / 2**20:.1f} MiB ({peak / eager_peak:.0%})"]
+    if events is not None:
+        cells.append(f"{events / 2**20:.1f} MiB")
+    return " | ".join([*cells, f"{ratio:.2f}x", f"{ready:.1f} s"])
 
 
 def _resnet_checkpointed(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:

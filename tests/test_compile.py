@@ -221,18 +221,25 @@ def test_compiled_plans_count_inductors_generated_ops_at_a_share_of_their_eager_
     assert seen == {"kept", "scaled"}, names
 
 
-def test_a_compiled_plan_runs_eagerly_where_every_compiled_plan_measures_over(monkeypatch):
-    monkeypatch.setattr(remat.module, "measured_peak", lambda *args: 2**40)
+def _planned_eagerly(warning: str) -> remat.Remat:
+    """The MLP planned compiled at 0.6 with ``warning``, its phases eager and its gradients eager
+    PyTorch's."""
     torch.manual_seed(0)
     model, x = _mlp(), torch.randn(512, 256)
     reference = _mlp()
     reference.load_state_dict(model.state_dict())
-    with pytest.warns(UserWarning, match="this plan runs eagerly"):
+    with pytest.warns(UserWarning, match=warning):
         rm = remat.Remat(model, x, 0.6, compile=True, measure_loss=False)
     assert not isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
     rm(x).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
     assert_close_grads(_grads(model), _grads(reference))
+    return rm
+
+
+def test_a_compiled_plan_runs_eagerly_where_every_compiled_plan_measures_over(monkeypatch):
+    monkeypatch.setattr(remat.module, "measured_peak", lambda *args: 2**40)
+    _planned_eagerly("this plan runs eagerly")
 
 
 def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch):
@@ -244,15 +251,6 @@ def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch)
         raise AssertionError("a phase was compiled")
 
     monkeypatch.setattr(remat.inductor, "_compile", compile)
-    torch.manual_seed(0)
-    model, x = _mlp(), torch.randn(512, 256)
-    reference = _mlp()
-    reference.load_state_dict(model.state_dict())
-    with pytest.warns(UserWarning, match="times over: Inductor would take many minutes"):
-        rm = remat.Remat(model, x, 0.6, compile=True, measure_loss=False)
+    rm = _planned_eagerly("times over: Inductor would take many minutes")
     runs = sum(op["op"] == "compute" for phase in ("forward", "backward") for op in rm.schedule[phase])
     assert runs > len(rm.graph["nodes"])
-    assert not isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
-    rm(x).pow(2).mean().backward()
-    reference(x).pow(2).mean().backward()
-    assert_close_grads(_grads(model), _grads(reference))
