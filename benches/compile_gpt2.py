@@ -166,6 +166,7 @@ def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
         resid_pdrop=args.dropout,
         embd_pdrop=args.dropout,
         attn_pdrop=args.dropout,
+        use_cache=False,  # no key-value caches in training, as transformers sets under checkpointing
     )
     model = GPT2LMHeadModel(config).to(args.device).train()
     tokens = torch.randint(config.vocab_size, (args.batch, args.seq), device=args.device)
