@@ -825,7 +825,8 @@ FIT_SLACK = 0.03
 # Inductor's compile time grows with a phase's ops, and such a step's time is its recomputation,
 # compiled or not. The solvers' plans of the saved graphs (rust/tests/graphs) run their ops at most
 # 1.8 times over, from the smallest budget up; the keep-set schedules below those budgets 7.8 to
-# 34 times (GPT-2 12L's 64,164 ops for 1,891 nodes compiled for over 15 minutes on 2 cores).
+# 34 times (Inductor was still compiling GPT-2 12L's 64,164 ops for 1,891 nodes after 10 minutes
+# on 2 cores).
 MAX_COMPILED_RUNS = 4
 
 
@@ -843,8 +844,8 @@ def _fitted(
     prediction by, where the plan goes over or leaves over ``FIT_SLACK`` unused; of the plans that
     keep the budget, the fastest predicted runs. Where none keeps it, the first schedule runs
     eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
-    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target, plain PyTorch's peak, the
-    copied buffers and the most bytes held back (``_make_plan``)."""
+    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target,
+    plain PyTorch's peak, the copied buffers and the most bytes held back (``_make_plan``)."""
     target, plain_peak, copied, most = fitting
     asked, first, best = target, None, None
     tried: set[str] = set()  # the schedules measured, by their ops
