@@ -7,7 +7,8 @@ Each run's step time is the median of ``--steps`` steps, each run right after an
 and is given as a ratio to the median of those eager steps. The time until a run has made its
 first two steps counts its planning and compiling (remat plans again for the measured loss in
 its second step). The peak is one step's: peak RSS on CPU (``remat.testing.rss_peak``; the
-script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``), ``torch.cuda.max_memory_allocated``
+script restarts itself with ``MALLOC_MMAP_THRESHOLD_=65536``; n/a where the kernel reclaimed file
+pages during the step), ``torch.cuda.max_memory_allocated``
 on CUDA (bf16 autocast there); on CPU also the peak of the allocators' events
 (``remat.testing.measure_step``), which does not depend on what the C allocator keeps mapped.
 Parameter gradients made by the step are included in every row.
@@ -73,7 +74,7 @@ def main() -> None:
         return step
 
     eager = step_of(model)
-    rows: list[tuple[str, int, int | None, float, float]] = []
+    rows: list[tuple[str, int | None, int | None, float, float]] = []
 
     def run(label: str, runner: Callable, since: float | None = None, warmup: int = 2) -> None:
         """``since``: when planning ``runner`` began, for the time until it has run ``warmup`` steps."""
@@ -83,7 +84,7 @@ def main() -> None:
             step()
         ready = time.perf_counter() - since
         model.zero_grad(set_to_none=True)  # the last step's gradients are freed before the peak's baseline
-        peak = remat.testing.cuda_peak(step) if cuda else remat.testing.rss_peak(step)
+        peak = remat.testing.cuda_peak(step) if cuda else _rss_peak(step)
         events = None
         if not cuda:  # a second measure, independent of what the C allocator keeps mapped
             model.zero_grad(set_to_none=True)
@@ -93,10 +94,10 @@ def main() -> None:
             theirs.append(_timed(eager))
             ours.append(_timed(step))
         rows.append((label, peak, events, statistics.median(ours) / statistics.median(theirs), ready))
-        print(f"{label}: {_row(*rows[-1], eager_peak=rows[0][1])}", flush=True)
+        print(f"{label}: {_row(*rows[-1], eager_peak=_first_peak(rows))}", flush=True)
 
     run("eager", model)
-    eager_peak = rows[0][1]
+    eager_peak = _first_peak(rows)
     if args.resnet:
         run("torch.utils.checkpoint, every block", lambda images: _resnet_checkpointed(model, images))
     else:
@@ -174,9 +175,23 @@ def _model(args) -> tuple[torch.nn.Module, torch.Tensor, Callable, str]:
     return model, tokens, lambda out: out.logits.float().pow(2).mean(), name
 
 
-def _row(label: str, peak: int, events: int | None, ratio: float, ready: float, eager_peak: int) -> str:
+def _rss_peak(step: Callable[[], None]) -> int | None:
+    """``rss_peak``, or ``None`` where the kernel reclaimed file pages during the step."""
+    try:
+        return remat.testing.rss_peak(step)
+    except remat.RematError as exc:
+        print(f"no peak RSS: {exc}", flush=True)
+        return None
+
+
+def _first_peak(rows: list) -> int:
+    """Eager's peak, which the others are a share of: its RSS, or its events' peak without one."""
+    return rows[0][1] if rows[0][1] is not None else rows[0][2]
+
+
+def _row(label: str, peak: int | None, events: int | None, ratio: float, ready: float, eager_peak: int) -> str:
     """A table row's cells after the label."""
-    cells = [f"{peak / 2**20:.1f} MiB ({peak / eager_peak:.0%})"]
+    cells = ["n/a" if peak is None else f"{peak / 2**20:.1f} MiB ({peak / eager_peak:.0%})"]
     if events is not None:
         cells.append(f"{events / 2**20:.1f} MiB")
     return " | ".join([*cells, f"{ratio:.2f}x", f"{ready:.1f} s"])

@@ -4,7 +4,11 @@ plan counts it, so the measured step keeps the budget."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import remat
@@ -93,3 +97,30 @@ def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> No
         grads.append([p.grad for p in model.parameters()])
     for ours, plain in zip(*grads):
         torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
+
+
+_RSS = """
+import json, torch, remat
+def step():
+    x = torch.ones(8 * 2**20)  # 32 MiB, touched
+    y = x * 2  # 32 MiB more: the peak
+    del x, y
+    z = torch.ones(4 * 2**20)  # 16 MiB after the peak
+    del z
+step()  # the first call's kernels and caches come into being
+print(json.dumps([remat.testing.rss_peak(step) for _ in range(3)]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is read from /proc")
+def test_rss_peak_is_the_steps_peak_and_needs_freed_memory_returned() -> None:
+    """With large blocks mapped and unmapped, the peak RSS is the step's peak, every time (the
+    pages resident before the step locked meanwhile); without it, ``rss_peak`` says what to set."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", _RSS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for peak in json.loads(out.stdout.strip().splitlines()[-1]):
+        assert 63 * MIB <= peak <= 65 * MIB, peak / MIB  # the C heap's small blocks move it by a few KiB
+    env.pop("MALLOC_MMAP_THRESHOLD_")
+    out = subprocess.run([sys.executable, "-c", _RSS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "MALLOC_MMAP_THRESHOLD_=65536" in out.stderr, out.stderr[-3000:]

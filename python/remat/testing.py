@@ -5,9 +5,11 @@ allocations too)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,18 +55,47 @@ def rss_peak(step: Callable[[], None]) -> int:
     mode does not), parameter gradients made by the step too. Freed memory leaves the resident
     set only where the C allocator returns it: the process must run with
     ``MALLOC_MMAP_THRESHOLD_=65536`` in its environment (blocks of 64 KiB and more mapped, and
-    unmapped when freed)."""
+    unmapped when freed). The pages resident before the step are locked during it (where the
+    process may lock them), so that the kernel's reclaim of file pages (shared libraries, compiled
+    code) cannot hide the step's own pages; where some were reclaimed all the same, it raises."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         raise RematError(
             "rss_peak needs freed tensors to leave the resident set: start the process with "
             "MALLOC_MMAP_THRESHOLD_=65536 in its environment"
         )
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from the current resident set
-    before = _status_bytes("VmRSS")
-    step()
-    return _status_bytes("VmHWM") - before
+    with _resident_locked():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from the current resident set
+        before, files = _status_bytes("VmRSS"), _status_bytes("RssFile")
+        step()
+        high, reclaimed = _status_bytes("VmHWM"), files - _status_bytes("RssFile")
+    if reclaimed > RECLAIM_TOLERANCE:
+        raise RematError(
+            f"the kernel reclaimed {reclaimed / 2**20:.1f} MiB of the process's file pages during the step, "
+            "so its peak resident set does not give the step's peak; run it where the process may lock its "
+            "pages (root, or a larger `ulimit -l`), or measure with measure_step"
+        )
+    return high - before
+
+
+# File pages that may leave the resident set during a step measured by ``rss_peak``.
+RECLAIM_TOLERANCE = 1 << 20
+
+_MCL_CURRENT, _MCL_ONFAULT = 1, 4
+
+
+@contextlib.contextmanager
+def _resident_locked() -> Iterator[None]:
+    """The pages resident now stay resident until the block ends (``mlockall``, the pages mapped
+    later not locked); a no-op where the process may not lock them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    locked = libc.mlockall(_MCL_CURRENT | _MCL_ONFAULT) == 0
+    try:
+        yield
+    finally:
+        if locked:
+            libc.munlockall()
 
 
 def _status_bytes(field: str) -> int:
