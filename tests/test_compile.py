@@ -254,3 +254,30 @@ def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch)
     rm = _planned_eagerly("times over: Inductor would take many minutes")
     runs = sum(op["op"] == "compute" for phase in ("forward", "backward") for op in rm.schedule[phase])
     assert runs > len(rm.graph["nodes"])
+
+
+def test_the_first_step_runs_eagerly_and_the_plan_for_its_measured_loss_is_compiled(monkeypatch):
+    """Until the first step has measured the loss, the plan runs eagerly: Inductor compiles only
+    the plan made for that loss, whose steps give eager PyTorch's gradients."""
+    compiled = []
+    real = remat.inductor._compile
+
+    def counted(gm, inputs, present, backward):
+        compiled.append(backward)
+        return real(gm, inputs, present, backward)
+
+    monkeypatch.setattr(remat.inductor, "_compile", counted)
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(512, 256)
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    rm = remat.Remat(model, x, 0.6, compile=True)
+    assert not isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+    for step in range(3):
+        for runner, m in ((rm, model), (reference, reference)):
+            m.zero_grad(set_to_none=True)
+            runner(x).pow(2).mean().backward()
+        assert_close_grads(_grads(model), _grads(reference), rtol=1e-4, atol=1e-6)
+        assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase) == (step > 0)
+        assert (step > 0) == bool(compiled), (step, compiled)
+    assert rm._plan.peak <= rm.budget and False in compiled and True in compiled

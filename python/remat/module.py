@@ -72,7 +72,8 @@ class Remat(nn.Module):
         slots: memory slots of the DP over blocks (``"rockmate"``, ``"rotor"``): more is finer
             and slower.
         compile: run the planned forward and backward phases (recomputations included) through
-            Inductor, each compiled at its first call (``remat.inductor``).
+            Inductor, each compiled at its first call (``remat.inductor``); the first training
+            step, which measures the loss, runs an eager plan meanwhile.
         max_plans: how many plans are kept (see below).
         measure_loss: measure the loss on the first training step (below); ``False`` keeps room
             for the estimated loss instead.
@@ -162,7 +163,7 @@ class Remat(nn.Module):
             )
         _check_device(self.model, args, kwargs)
         t0 = time.perf_counter()
-        budget, options = self._budget_arg, self._options
+        budget, options, provisional = self._budget_arg, self._options, False
         inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
         measure = _Measure()
         measure.done = not self.measure_loss
@@ -182,10 +183,13 @@ class Remat(nn.Module):
                 if budget is None:
                     measure.done = True
                     plan = _make_plan(base, Outside(0), None, options)
+                elif options.compile and not measure.done:
+                    # The first step measures the loss, which the compiled plan is for: it runs eagerly.
+                    plan, provisional = _first_plan(base, budget, replace(options, compile=False)), True
                 else:
                     plan = _first_plan(base, budget, options, inputs)
         self._current = self._plans[key] = _Planned(base, measure, plan, file, inputs)
-        self._current.adopt(plan, options)
+        self._current.adopt(plan, options, provisional)
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
 
@@ -323,6 +327,9 @@ class Remat(nn.Module):
             self._plan_for_measured(planned)
         elif planned.measure.learned is not None and not planned.measure.learned_planned:
             self._plan_for_outputs(planned)
+        elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
+            # no step measured the loss: the compiled plan keeps room for its estimate
+            planned.adopt(_first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
         return planned.plan.run(self.model, args, kwargs, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
@@ -334,7 +341,7 @@ class Remat(nn.Module):
         assert learned is not None
         measure.learned_planned = True
         estimate = _estimated(planned.base, learned, self._loss_after)
-        if self._budget_arg is None or planned.plan.outside == estimate:
+        if self._budget_arg is None or (planned.plan.outside == estimate and not planned.provisional):
             return
         plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, learned, self._loss_after)
         planned.adopt(plan, self._options)
@@ -354,7 +361,7 @@ class Remat(nn.Module):
         held_over = measured.held_bytes - current.outside.held_bytes
         # The plan stands where it fits and wastes little of the budget.
         same_outputs = (measured.no_grad, measured.released) == (current.outside.no_grad, current.outside.released)
-        if same_outputs and max(loss_over, held_over) <= current.slack():
+        if same_outputs and max(loss_over, held_over) <= current.slack() and not planned.provisional:
             if min(loss_over, held_over) >= -0.01 * current.budget:
                 planned.save()
                 return
@@ -407,12 +414,16 @@ class _Planned:
     plan: _Plan
     file: _PlanFile | None = None
     inputs: PlanInputs | None = None  # to measure compiled plans with
+    # An eager plan run until the first step has measured the loss, in place of a compiled one
+    provisional: bool = False
 
-    def adopt(self, plan: _Plan, options: _Options) -> None:
-        """Runs ``plan`` from now on (with a warning where it is slow) and saves it."""
-        plan.measure, self.plan = self.measure, plan
+    def adopt(self, plan: _Plan, options: _Options, provisional: bool = False) -> None:
+        """Runs ``plan`` from now on (with a warning where it is slow) and saves it (unless
+        ``provisional``)."""
+        plan.measure, self.plan, self.provisional = self.measure, plan, provisional
         _warn_if_slow(plan, options)
-        self.save()
+        if not provisional:
+            self.save()
 
     def save(self) -> None:
         if self.file is not None:
