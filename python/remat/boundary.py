@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from .capture import Captured
 from .graph import JointGraph, Value, build_graph
+from .sizes import same_shape
 
 # Tensors of an output's size that a usual loss holds at once, the most of those measured:
 # ``x.pow(2).mean()``'s backward holds the mean's gradient, ``2 * grad``, ``x.pow(1)`` and their
@@ -85,7 +86,7 @@ def _adds_to_same_shape(node: fx.Node, tangent: fx.Node) -> bool:
     if (a is tangent) == (b is tangent) or not isinstance(other, fx.Node):
         return False
     x, out = other.meta.get("val"), node.meta.get("val")
-    return isinstance(x, torch.Tensor) and x.shape == out.shape and x.dtype == out.dtype
+    return isinstance(x, torch.Tensor) and same_shape(x.shape, out.shape) and x.dtype == out.dtype
 
 
 def differentiable_outputs(g: JointGraph) -> dict[int, int]:
@@ -108,7 +109,7 @@ def forward_outputs(g: JointGraph) -> dict[int, int]:
 def output_bytes(g: JointGraph, indices: frozenset[int]) -> int:
     """Bytes of the model's outputs ``indices`` (their own sizes, views included)."""
     values = forward_outputs(g)
-    return sum(_nbytes(g.values[values[i]].source.meta["val"], g.values[values[i]].index) for i in indices)
+    return sum(_nbytes(g, g.values[values[i]].source.meta["val"], g.values[values[i]].index) for i in indices)
 
 
 def estimated_outside(
@@ -118,13 +119,13 @@ def estimated_outside(
     size of each differentiable output (but those of ``no_grad``, which no loss reads), and the
     loss; ``released``: the outputs the step lets go of before its backward."""
     outputs = [g.values[v] for i, v in differentiable_outputs(g).items() if i not in no_grad]
-    room = LOSS_TENSORS_PER_OUTPUT * sum(_nbytes(v.source.meta["val"], v.index) for v in outputs)
+    room = LOSS_TENSORS_PER_OUTPUT * sum(_nbytes(g, v.source.meta["val"], v.index) for v in outputs)
     return Outside(room + LOSS_SCALARS, LOSS_SCALARS, no_grad, released)
 
 
-def _nbytes(val, index: int | None) -> int:
+def _nbytes(g: JointGraph, val, index: int | None) -> int:
     t = val if index is None else val[index]
-    return t.numel() * t.element_size()
+    return g.concrete(t.numel() * t.element_size())
 
 
 def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
@@ -209,7 +210,9 @@ def _copy_with_outside(
     outputs = [None if o is None else env[o] for o in c.outputs]
     uncomputed = _drop_gradients_of_no_grad(graph, placeholders, c, outputs, outside.no_grad)
     gm = fx.GraphModule(c.gm, graph)
-    copied = Captured(gm, placeholders, c.bindings, outputs, c.output_bindings, c.out_spec, c.in_spec, c.const_leaves)
+    copied = Captured(
+        gm, placeholders, c.bindings, outputs, c.output_bindings, c.out_spec, c.in_spec, c.const_leaves, c.sizes
+    )
     return copied, new_values, uncomputed
 
 

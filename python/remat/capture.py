@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from . import tree
 from .errors import CaptureError
+from .sizes import Sizes, free_symbols, is_size
 
 # Meta key of a tied gradient's sum, which may add its second argument into its first.
 ACCUMULATES = "remat_accumulates"
@@ -55,6 +56,7 @@ class Captured:
     out_spec: tree.Spec
     in_spec: pytree.TreeSpec  # of (args, kwargs) with tensors as leaves
     const_leaves: list[Any]  # non-tensor leaves of (args, kwargs); None where a tensor goes
+    sizes: Sizes | None = None  # the symbols of a graph captured with dynamic dimensions
 
 
 class _Flat(nn.Module):
@@ -86,19 +88,26 @@ def unflatten_inputs(spec: pytree.TreeSpec, consts: list, tensors: list[torch.Te
     return pytree.tree_unflatten(leaves, spec)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False) -> Captured:
+def capture(
+    model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False, dynamic: list[set[int]] | None = None
+) -> Captured:
     """Trace ``model(*args, **kwargs)`` into a joint forward+backward graph; ``compiled``: for
     Inductor, which fuses the products that give dropout's output into their reader
-    (``_dropout_from_its_mask``)."""
+    (``_dropout_from_its_mask``). ``dynamic``: for each flat input tensor, the dimensions traced
+    as symbols (``sizes``); the graph then holds ``Sizes``, unless tracing made them all static."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     tensors, in_spec, consts = flatten_inputs(args, kwargs)
     flat = _Flat(model, in_spec, consts)
+    fakes = None
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_compiling())
-            joint = aot_export_joint_with_descriptors(stack, flat, tuple(tensors))
+            if dynamic is not None:
+                fakes, shape_env = _symbolic_inputs(tensors, dynamic)
+            joint = aot_export_joint_with_descriptors(stack, flat, tuple(fakes or tensors))
             gm = joint.graph_module
+            sizes = None if fakes is None else _sizes(gm, tensors, fakes, shape_env)
     except Exception as exc:  # torch raises many types; the user needs to know it was capture
         raise CaptureError(
             f"could not capture {type(model).__name__} as a joint forward+backward graph "
@@ -122,7 +131,60 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False)
     _views_as_reshapes(gm)
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
-    return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts)
+    return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts, sizes)
+
+
+def _symbolic_inputs(tensors: list[torch.Tensor], dynamic: list[set[int]]) -> tuple[list, Any]:
+    """Fake copies of ``tensors`` whose ``dynamic`` dimensions are symbols, in a new shape
+    environment (sizes 0 and 1 stay static, as tracing specializes them)."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    fakes = []
+    for i, (t, dims) in enumerate(zip(tensors, dynamic)):
+        kinds = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())]
+        context = StatelessSymbolicContext(dynamic_sizes=kinds)
+        fakes.append(mode.from_tensor(t, symbolic_context=context, source=LocalSource(f"input{i}")))
+    return fakes, shape_env
+
+
+def _sizes(gm: fx.GraphModule, tensors: list[torch.Tensor], fakes: list, shape_env: Any) -> Sizes | None:
+    """The symbols left in the traced graph, each with the input dimension it is read from, and
+    the guards a call must pass; ``None`` where tracing made every dimension static."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    used: list = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        for t in val if isinstance(val, (tuple, list)) else (val,):
+            if isinstance(t, torch.Tensor):
+                used += [*t.shape, t.untyped_storage().nbytes()]
+            elif is_size(n):
+                used.append(t)
+    symbols = sorted(free_symbols(used), key=str)
+    if not symbols:
+        return None
+    names = {f"input{i}": i for i in range(len(tensors))}
+    sources = []
+    for sym in symbols:
+        found = [
+            (names[s.base.local_name], s.idx)
+            for s in shape_env.var_to_sources.get(sym, [])
+            if isinstance(s, TensorPropertySource)
+            and s.prop is TensorProperty.SIZE
+            and getattr(s.base, "local_name", None) in names
+        ]
+        if not found:
+            raise CaptureError(
+                f"the size {sym} of the traced graph is not an input's dimension (a data-dependent size)"
+            )
+        sources.append(found[0])
+    bound = tuple(int(tensors[i].shape[d]) for i, d in sources)
+    guards = shape_env.produce_guards_expression(fakes, ignore_static=False)
+    return Sizes(tuple(symbols), tuple(sources), bound, guards, shape_env)
 
 
 @contextlib.contextmanager

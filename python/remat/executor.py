@@ -25,6 +25,7 @@ from .inductor import CompiledPhase
 from .layout import in_layout
 from .memory import Allocations
 from .rng import run_with_rng_state, save_rng_state
+from .sizes import map_sizes, symbolic
 
 _INPUT_KINDS = ("param", "buffer", "input")
 
@@ -41,6 +42,9 @@ class Phases:
     rng_nodes: list[int]  # random nodes whose RNG state is handed over too (after ``saved``)
     backward_inputs: list[int]  # graph inputs (tangents included) the backward phase reads
     grads: list[int]  # graph outputs of kind "grad", in graph order
+    # Whether each phase's inputs end with the call's sizes (``Sizes.evaluate``): the graph's
+    # symbolic sizes, which its ops read as arguments
+    sized: bool = False
 
 
 def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False, marked: bool = False) -> Phases:
@@ -71,7 +75,8 @@ def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False
     backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled, marks[1])
     if compiled:
         forward, backward = CompiledPhase(forward, backward=False), CompiledPhase(backward, backward=True)
-    return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads)
+    sized = g.sizes is not None
+    return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads, sized)
 
 
 def _alive_after(g: JointGraph, ops: list[dict]) -> set[int]:
@@ -102,7 +107,8 @@ def _emit(
     compiled: bool = False,
     mark: str | None = None,
 ) -> fx.GraphModule:
-    """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``.
+    """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``, with
+    the call's sizes (``Sizes.evaluate``) last among the inputs where the graph has symbolic sizes.
     ``layouts``: parameter gradients (value id -> the parameter's shape and strides), put in the
     parameter's layout as soon as they are made.
 
@@ -125,7 +131,21 @@ def _emit(
             env[vid] = _call(graph, operator.getitem, (boxed, i), {}, g.values[vid].name)
         for j, nid in enumerate(rng_inputs):
             states[nid] = _call(graph, operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
+        if g.sizes is not None:
+            call_sizes = _call(graph, operator.getitem, (boxed, len(inputs) + len(rng_inputs)), {}, "sizes")
         graph.call_method("clear", (boxed,))
+    sized: dict[int, fx.Node] = {}
+
+    def size_of(x):
+        """The node reading a symbolic size from the call's sizes (a number that tracing made
+        static stays a number)."""
+        if not symbolic(x):
+            return x
+        assert g.sizes is not None and not compiled, "a compiled phase has static sizes"
+        k = g.sizes.index(x)
+        if k not in sized:
+            sized[k] = _call(graph, operator.getitem, (call_sizes, k), {}, "size")
+        return sized[k]
 
     for i, op in enumerate(ops):
         if mark is not None:
@@ -135,7 +155,10 @@ def _emit(
                 env.pop(op["value"], None)  # FX frees a value after its last use anyway
             continue
         node = g.nodes[op["node"]]
-        args, kwargs = fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
+        args, kwargs = fx.node.map_arg(
+            map_sizes((node.fx_node.args, node.fx_node.kwargs), size_of),
+            lambda a: a if a.graph is graph else env[g.value_of[a]],  # a size's node is the phase's
+        )
         in_place = node.fx_node.meta.get(IN_PLACE) and not compiled
         target = torch.ops.aten.add_.Tensor if in_place else node.fx_node.target
         if node.id in replayed and compiled:

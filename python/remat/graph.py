@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from .capture import ACCUMULATES, Captured
 from .errors import CaptureError
+from .sizes import Sizes, is_size
 
 SCHEMA_VERSION = 1
 
@@ -58,6 +59,15 @@ class JointGraph:
     # Outputs planned without gradient from whose gradients alone some input's gradient would be
     # computed: the graph does not compute it (``boundary``), so a gradient for them cannot be used.
     gradients_not_computed_from: frozenset[int] = frozenset()
+
+    @property
+    def sizes(self) -> Sizes | None:
+        """The graph's symbolic sizes, where captured with dynamic dimensions."""
+        return self.captured.sizes
+
+    def concrete(self, x: Any) -> Any:
+        """``x`` (a size, or a tuple of them) at the largest sizes the graph is planned for."""
+        return x if self.sizes is None else self.sizes.at(x)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,7 +118,11 @@ def build_graph(captured: Captured, name: str) -> JointGraph:
         if n.op == "get_attr":
             _add_value(g, n, n, None, "buffer")
 
-    fx_nodes = [n for n in captured.gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    fx_nodes = [
+        n
+        for n in captured.gm.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and not is_size(n)
+    ]
     backward = _backward_nodes(captured, fx_nodes)
     ordered = [n for n in fx_nodes if n not in backward] + [n for n in fx_nodes if n in backward]
     for fx_node in ordered:
@@ -191,6 +205,8 @@ def _add_outputs(g: JointGraph, fx_node: fx.Node) -> list[int]:
 def _input_values(g: JointGraph, fx_node: fx.Node) -> list[int]:
     refs: list[int] = []
     for arg in fx_node.all_input_nodes:
+        if is_size(arg):  # evaluated from the call's sizes (``sizes``), not a value
+            continue
         if arg not in g.value_of:
             raise CaptureError(f"node {fx_node.name} uses {arg.name}, which is not a tensor value")
         refs.append(g.value_of[arg])
@@ -204,7 +220,7 @@ def _backward_nodes(captured: Captured, fx_nodes: list[fx.Node]) -> set[fx.Node]
     for n in captured.gm.graph.nodes:
         if n.op != "call_function":
             continue
-        args = n.all_input_nodes
+        args = [a for a in n.all_input_nodes if not is_size(a)]  # a size is known before the backward
         if n.meta.get("partitioner_tag") == "is_backward" or any(a in tangents or a in backward for a in args):
             backward.add(n)
     return backward

@@ -6,20 +6,21 @@ import collections
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from . import _core, tree
+from . import _core, levels, tree
 from .amp import autocast_state
 from .boundary import (
     LOSS_SCALARS,
@@ -32,8 +33,16 @@ from .boundary import (
     remove_closed_windows,
     with_outside,
 )
-from .capture import flatten_inputs
-from .errors import DeviceMismatch, InfeasibleBudget, InputMismatch, PlanFileError, RematError
+from .capture import flatten_inputs, unflatten_inputs
+from .errors import (
+    ArgumentError,
+    CaptureError,
+    DeviceMismatch,
+    InfeasibleBudget,
+    InputMismatch,
+    PlanFileError,
+    RematError,
+)
 from .executor import Phases, build_phases, device_of
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
@@ -43,6 +52,7 @@ from .memory import Allocations, profiler_running, storage_ptrs
 from .plot import measured_curve, plot, predicted_curve
 from .rng import rng_state_bytes
 from .saved import Saved, fingerprint, load, path_of, save
+from .sizes import Sizes
 from .stages import planning, stage
 from .step import Step, input_grads
 from .trace import captured, graph_inputs, profiled
@@ -112,12 +122,19 @@ class Remat(nn.Module):
         max_plans: int = 8,
         plan_dir: str | os.PathLike | None = None,
         measure_loss: bool = True,
+        dynamic: bool | None = None,
     ) -> None:
         super().__init__()
         if solver != "none":
             _core.check_options(solver, time_limit, mip_gap, slots)
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
+        if compile and dynamic:
+            raise ArgumentError(
+                "compile=True compiles each plan's phases for one input shape, and dynamic=True asks for one plan "
+                "for every shape up to the sample's: pass dynamic=False (a plan and a compilation per shape) or "
+                "compile=False (one eager plan for every shape)"
+            )
         check_budget(budget)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -128,6 +145,7 @@ class Remat(nn.Module):
         self._budget_arg = budget
         self._options = _Options(solver, time_limit, mip_gap, slots, compile)
         self.max_plans = max_plans
+        self.dynamic = not compile if dynamic is None else dynamic
         self.plan_dir = plan_dir
         self.measure_loss = measure_loss
         # Whether the step's loss runs between this module's forward and backward where no step
@@ -135,6 +153,7 @@ class Remat(nn.Module):
         # of the budget hold what runs after it; ``remat.backend``).
         self._loss_after = True
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
+        self._seen: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}  # a call's key -> its plan's, its sizes
         self._current: _Planned | None = None
         self._marking = False  # whether steps run the marked phases (``plot_memory``)
         _check_device(model, *_as_call(sample))
@@ -145,14 +164,72 @@ class Remat(nn.Module):
         with a new signature would plan for it on the way)."""
         if self.solver == "none":
             return
-        args, kwargs = _as_call(sample)
-        key = self._key(args, kwargs)
-        if key not in self._plans:
-            self._add_plan(key, args, kwargs)
+        self._planned_for(*_as_call(sample))
 
-    def _key(self, args: tuple, kwargs: dict) -> tuple:
+    def _key(self, args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
         params = {(p.device, p.dtype) for p in self.model.parameters()}
-        return _signature(args, kwargs), autocast_state(), tuple(sorted(params, key=str))
+        return _signature(args, kwargs, shapes), autocast_state(), tuple(sorted(params, key=str))
+
+    def _planned_for(self, args: tuple, kwargs: dict) -> tuple[tuple, _Planned, tuple[int, ...]]:
+        """The key and plan of a call, planned on the way where none serves it, and the values of
+        the plan's symbolic sizes in the call. A plan with symbolic sizes serves every call that
+        passes its guards within its bound; a call beyond the bound plans again for the bound
+        raised to it, in place of that plan."""
+        key = self._key(args, kwargs)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] in self._plans:
+            return seen[0], self._plans[seen[0]], seen[1]
+        tensors = flatten_inputs(args, kwargs)[0]
+        found, beyond = None, None
+        if key in self._plans:
+            found = key, self._plans[key]
+        else:
+            shapeless = self._key(args, kwargs, shapes=False)
+            for k, p in self._plans.items():
+                if p.sizes is None or p.shapeless != shapeless:
+                    continue
+                values = p.sizes.values_of(tensors)
+                if values is not None and p.sizes.within(values):
+                    found = k, p
+                    break
+                if values is not None:
+                    beyond = k, p, values
+        if found is None and beyond is not None:
+            found = self._grow(*beyond, args, kwargs)
+        if found is None:
+            found = key, self._add_plan(key, args, kwargs)
+        k, planned = found
+        values = () if planned.sizes is None else planned.sizes.values_of(tensors)
+        assert values is not None
+        self._seen[key] = (k, values)
+        return k, planned, values
+
+    def _grow(self, key: tuple, planned: _Planned, values: tuple[int, ...], args: tuple, kwargs: dict) -> tuple:
+        """Plans again for the bound of ``planned`` raised to a call's ``values``, in its place."""
+        t0 = time.perf_counter()
+        sizes = planned.sizes
+        assert sizes is not None
+        bound = tuple(max(b, v) for b, v in zip(sizes.bound, values))
+        tensors, spec, consts = flatten_inputs(args, kwargs)
+        c = planned.base.captured
+        shapes = {b.target: ph.meta["val"].shape for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
+        grown = [_grown(t, sizes.at(tuple(shapes[i]), bound)) if i in shapes else t for i, t in enumerate(tensors)]
+        new_args, new_kwargs = unflatten_inputs(spec, consts, grown)
+        old = self._plans.pop(key)
+        self._seen.clear()
+        new_key = self._key(new_args, new_kwargs)
+        try:
+            planned = self._add_plan(new_key, new_args, new_kwargs)
+        except BaseException:
+            self._plans[key] = old
+            raise
+        log.info(
+            "a call beyond the bound (%s) planned again for %s in %.2f s",
+            sizes.describe(values),
+            sizes.describe(bound),
+            time.perf_counter() - t0,
+        )
+        return new_key, planned
 
     def _add_plan(self, key: tuple, args: tuple, kwargs: dict) -> _Planned:
         if len(self._plans) >= self.max_plans:
@@ -168,7 +245,7 @@ class Remat(nn.Module):
         measure = _Measure()
         measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
-            base = captured(self.model, args, kwargs, options.compile)
+            base = self._captured(args, kwargs)
             file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
@@ -188,10 +265,30 @@ class Remat(nn.Module):
                     plan, provisional = _first_plan(base, budget, replace(options, compile=False)), True
                 else:
                     plan = _first_plan(base, budget, options, inputs)
-        self._current = self._plans[key] = _Planned(base, measure, plan, file, inputs)
+        shapeless = self._key(args, kwargs, shapes=False)
+        self._current = self._plans[key] = _Planned(base, measure, plan, file, inputs, shapeless=shapeless)
         self._current.adopt(plan, options, provisional)
+        if not options.compile:  # the first step plans for its loss at its end (compiled plans measure steps)
+            measure.replan = functools.partial(self._plan_for_measured, self._current)
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
+
+    def _captured(self, args: tuple, kwargs: dict) -> JointGraph:
+        """The call's graph: with every input dimension of 2 or more symbolic where ``dynamic``
+        (those tracing keeps symbolic), or with static shapes where tracing with symbols fails."""
+        if not self.dynamic:
+            return captured(self.model, args, kwargs, self._options.compile)
+        tensors = flatten_inputs(args, kwargs)[0]
+        dims = [{d for d, n in enumerate(t.shape) if n >= 2} for t in tensors]
+        try:
+            return captured(self.model, args, kwargs, self._options.compile, dims)
+        except CaptureError as exc:
+            log.warning(
+                "remat: %s with symbolic sizes failed (%s); it is captured with static shapes, planned per shape",
+                type(self.model).__name__,
+                exc.__cause__ or exc,
+            )
+            return captured(self.model, args, kwargs, self._options.compile)
 
     def _plan_file(self, base: JointGraph) -> _PlanFile | None:
         if self.plan_dir is None:
@@ -313,10 +410,7 @@ class Remat(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.solver == "none" or not self.training or not torch.is_grad_enabled():
             return self.model(*args, **kwargs)
-        key = self._key(args, kwargs)
-        planned = self._plans.get(key)
-        if planned is None:
-            planned = self._add_plan(key, args, kwargs)
+        key, planned, values = self._planned_for(args, kwargs)
         self._plans.move_to_end(key)
         self._current = planned
         compiled = _under_dynamo()
@@ -330,7 +424,7 @@ class Remat(nn.Module):
         elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
             # no step measured the loss: the compiled plan keeps room for its estimate
             planned.adopt(_first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
-        return planned.plan.run(self.model, args, kwargs, marked=self._marking)
+        return planned.plan.at(values).run(self.model, args, kwargs, values, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
         """Plan again, once, for the loss estimated over the outputs the first step differentiated,
@@ -416,11 +510,22 @@ class _Planned:
     inputs: PlanInputs | None = None  # to measure compiled plans with
     # An eager plan run until the first step has measured the loss, in place of a compiled one
     provisional: bool = False
+    shapeless: tuple = ()  # the key of the calls it may serve, shapes aside (``Remat._key``)
+
+    @property
+    def sizes(self) -> Sizes | None:
+        return self.base.sizes
 
     def adopt(self, plan: _Plan, options: _Options, provisional: bool = False) -> None:
         """Runs ``plan`` from now on (with a warning where it is slow) and saves it (unless
         ``provisional``)."""
         plan.measure, self.plan, self.provisional = self.measure, plan, provisional
+        g = plan.graph
+        if plan.levels is None and g.sizes is not None and plan.budget < plan.plain_peak and not options.compile:
+            with stage(f"plans at smaller sizes ({g.sizes.describe()} at the bound)"):
+                plan.levels = _levels(g, plan, options)
+        for _, level in plan.levels or ():
+            level.measure = self.measure
         _warn_if_slow(plan, options)
         if not provisional:
             self.save()
@@ -457,6 +562,14 @@ class _Measure:
         self.learned: Outside | None = None
         self.learned_planned = False
         self.watched: list[weakref.ref] = []  # the outputs of the forward whose backward tells them
+        # Plans again for the measured loss at the end of the step that measured it (else the
+        # next call does)
+        self.replan: Callable[[], None] | None = None
+
+    def after_backward(self) -> None:
+        """At the end of a step's backward: plans for the loss it measured, if any."""
+        if self.outside is not None and self.replan is not None:
+            self.replan()
 
     def give_up(self) -> None:
         """No window: called from a torch.compile'd module, whose frames restore the dispatch
@@ -507,11 +620,16 @@ class _Measure:
         self.window = window
         return window
 
-    def close(self, window: Window, grads: tuple, plan: _Plan) -> None:
-        """Ends the window of ``plan``'s step; warns if the step went over the budget."""
+    def close(self, window: Window, grads: tuple, plan: _Plan, values: tuple[int, ...]) -> None:
+        """Ends the window of ``plan``'s step, a call with ``values`` of the symbolic sizes (the
+        bytes it measures are scaled to the bound, as the outputs the loss reads are: ``levels``);
+        warns if the step went over the budget."""
         if window is not self.window:
             return
         peak, held, released = window.close([g for g in grads if g is not None])
+        if plan.graph.sizes is not None:
+            ratio = levels.loss_ratio(plan.graph, values)
+            peak, held = math.ceil(peak / ratio), math.ceil(held / ratio)
         no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
         self.outside = measured = Outside(peak, held, no_grad, released)
         planned = plan.outside
@@ -587,10 +705,20 @@ def _check_device(model: nn.Module, args: tuple, kwargs: dict) -> None:
             )
 
 
-def _signature(args: tuple, kwargs: dict) -> tuple:
+def _signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
+    """What a plan depends on in a call's inputs; without ``shapes``, ranks in place of shapes."""
     tensors, spec, consts = flatten_inputs(args, kwargs)
-    metas = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
+    metas = tuple((tuple(t.shape) if shapes else t.dim(), t.dtype, t.device, t.requires_grad) for t in tensors)
     return (spec, tuple(repr(c) for c in consts), metas)
+
+
+def _grown(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` repeated along each dimension where ``shape`` is larger, to ``shape`` (a sample at a
+    new bound, made from a call's values)."""
+    for d, n in enumerate(shape):
+        if t.shape[d] < n:
+            t = torch.cat([t] * -(-n // t.shape[d]), dim=d).narrow(d, 0, n)
+    return t
 
 
 def _describe(key: tuple) -> str:
@@ -615,6 +743,18 @@ class _Plan:
     copied: set[int]  # buffers whose pre-step values the backward phase keeps
     peak: int  # the step's peak: measured for compiled phases (``fit``), else predicted; the reserve included
     measure: _Measure | None = None
+    # Plans of the same graph at smaller values of its symbolic sizes, each with those values (``levels``)
+    levels: list[tuple[tuple[int, ...], _Plan]] | None = None
+
+    def at(self, values: tuple[int, ...]) -> _Plan:
+        """The plan to run for a call with ``values`` of the symbolic sizes: of least predicted
+        time among this one and the levels at or above ``values`` in every symbol."""
+        best = self
+        for level, plan in self.levels or ():
+            fits = all(v <= top for v, top in zip(values, level))
+            if fits and plan.schedule["predicted"]["time"] < best.schedule["predicted"]["time"]:
+                best = plan
+        return best
 
     @functools.cached_property
     def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
@@ -640,12 +780,16 @@ class _Plan:
         """The schedule's phases run eagerly, each op's allocations marked (``plot.measured_curve``)."""
         return build_phases(self.graph, self.schedule, marked=True)
 
-    def run(self, model: nn.Module, args: tuple, kwargs: dict, marked: bool = False) -> Any:
-        """One call of the step; ``marked``: through :attr:`marked_phases`."""
+    def run(
+        self, model: nn.Module, args: tuple, kwargs: dict, values: tuple[int, ...] = (), marked: bool = False
+    ) -> Any:
+        """One call of the step, with ``values`` of the symbolic sizes; ``marked``: through
+        :attr:`marked_phases`."""
         tensors, _, _ = flatten_inputs(args, kwargs)
         inputs = graph_inputs(self.graph, model, tensors)
         vids = list(inputs)
-        outs = Step.apply(self, self.marked_phases if marked else self.phases, vids, *inputs.values())
+        phases = self.marked_phases if marked else self.phases
+        outs = Step.apply(self, phases, values, vids, *inputs.values())
         if self.measure is not None and self.measure.window is not None:
             self.measure.window.watch(list(outs))
         elif self.measure is not None and self.measure.learning():
@@ -796,6 +940,46 @@ def _make_plan(
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
     return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
+
+
+def _levels(g: JointGraph, top: _Plan, options: _Options) -> list[tuple[tuple[int, ...], _Plan]]:
+    """Plans of ``top``'s graph, within its budget, at the levels below its bound (``levels``):
+    along each symbol down to the largest value at which plain PyTorch's step fits."""
+    sizes = g.sizes
+    assert sizes is not None
+    most = _reserve(g, None, top.copied)
+
+    def at(values: tuple[int, ...]) -> tuple[str, int, int]:
+        graph_json = levels.scaled_json(g, values, levels.loss_ratio(g, values))
+        return (graph_json, *_core.budget_range(graph_json))
+
+    out = []
+    for i, chain in enumerate(levels.chains(sizes)):
+        above = sizes.bound
+        for values in chain:
+            graph_json, min_budget, plain_peak = at(values)
+            if plain_peak <= top.budget:  # the largest value where the plain step fits serves all below
+                low, high = values[i], above[i]
+                while high - low > 1:
+                    mid = (low + high) // 2
+                    mid_values = tuple(mid if j == i else v for j, v in enumerate(values))
+                    found = at(mid_values)
+                    if found[2] <= top.budget:
+                        low, (graph_json, min_budget, plain_peak), values = mid, found, mid_values
+                    else:
+                        high = mid
+            try:
+                schedule, held_back = _solve(g, graph_json, top.budget, plain_peak, top.copied, most, options)
+            except InfeasibleBudget:
+                continue  # the plan above serves these sizes
+            phases = build_phases(g, schedule)
+            peak = schedule["predicted"]["peak_bytes"] + held_back
+            limits = (top.budget, plain_peak, min_budget + most, held_back)
+            out.append((values, _Plan(g, graph_json, schedule, phases, *limits, top.outside, top.copied, peak)))
+            if plain_peak <= top.budget:
+                break
+            above = values
+    return out
 
 
 # A plan whose predicted recomputation takes longer than this many plain steps is warned of.

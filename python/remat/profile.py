@@ -27,6 +27,7 @@ from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
 from .memory import Allocations, peak, profiler_running
+from .sizes import map_sizes
 
 log = logging.getLogger("remat")
 
@@ -43,11 +44,11 @@ def estimate(g: JointGraph) -> None:
     owner_of: dict[int, int] = {}  # fake storage -> owning value id
     for v in g.values:
         if v.kind in ("param", "buffer", "input", "tangent"):
-            _claim(v, *_fake_storage(_meta(g, v)), owner_of, may_alias=v.kind != "tangent")
+            _claim(v, *_fake_storage(g, _meta(g, v)), owner_of, may_alias=v.kind != "tangent")
     for n in g.nodes:
         for vid in n.outputs:
             value = g.values[vid]
-            _claim(value, *_fake_storage(_meta(g, value)), owner_of, not n.fx_node.meta.get(ACCUMULATES))
+            _claim(value, *_fake_storage(g, _meta(g, value)), owner_of, not n.fx_node.meta.get(ACCUMULATES))
         n.time = _estimated_time(g, n)
 
 
@@ -59,9 +60,9 @@ def _meta(g: JointGraph, v) -> torch.Tensor:
     return val if v.index is None else val[v.index]
 
 
-def _fake_storage(t: torch.Tensor) -> tuple[int, int]:
+def _fake_storage(g: JointGraph, t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
-    return storage._cdata, storage.nbytes()
+    return storage._cdata, g.concrete(storage.nbytes())
 
 
 def _estimated_time(g: JointGraph, n) -> float:
@@ -72,7 +73,7 @@ def _estimated_time(g: JointGraph, n) -> float:
     if n.outputs and (name in _MATMULS or name == "convolution") and isinstance(weight, torch.fx.Node):
         w = weight.meta["val"]
         inner = w[0].numel() if name == "convolution" else w.shape[-2]
-        flops = 2 * _meta(g, g.values[n.outputs[0]]).numel() * inner
+        flops = 2 * g.concrete(_meta(g, g.values[n.outputs[0]]).numel()) * g.concrete(inner)
     return moved / _BYTES_PER_SECOND + flops / _FLOPS_PER_SECOND
 
 
@@ -192,7 +193,8 @@ class _Run:
 
     def compute(self, node) -> None:
         g, env = self.g, self.env
-        args, kwargs = torch.fx.node.map_arg((node.fx_node.args, node.fx_node.kwargs), lambda a: env[g.value_of[a]])
+        sized = map_sizes((node.fx_node.args, node.fx_node.kwargs), g.concrete)
+        args, kwargs = torch.fx.node.map_arg(sized, lambda a: env[g.value_of[a]])
         fn = node.fx_node.target
         first = node.id not in self.timed and not self.record
         cuda = first and _on_cuda(node, env)

@@ -35,12 +35,15 @@ class Step(torch.autograd.Function):
     """One training step's forward and backward phases, as planned."""
 
     @staticmethod
-    def forward(ctx, plan: RunsPlan, phases: Phases, vids: list[int], *tensors: torch.Tensor):
+    def forward(ctx, plan: RunsPlan, phases: Phases, values: tuple[int, ...], vids: list[int], *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
         g = plan.graph
         by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
+        # the call's sizes, which the phases of a graph with symbolic sizes read last
+        ctx.sizes = [g.sizes.evaluate(values)] if phases.sized else []
+        ctx.values = values
         with no_autocast():
-            result = phases.forward([by_vid[v] for v in phases.forward_inputs])
+            result = phases.forward([*(by_vid[v] for v in phases.forward_inputs), *ctx.sizes])
         n_out = len(phases.forward_outputs)
         produced = dict(zip(phases.forward_outputs, result[:n_out]))
         ctx.plan, ctx.phases, ctx.vids = plan, phases, vids
@@ -59,7 +62,7 @@ class Step(torch.autograd.Function):
         plan: RunsPlan = ctx.plan
         g, phases = plan.graph, ctx.phases
         if ctx.window is not None:
-            plan.measure.close(ctx.window, grad_outputs, plan)
+            plan.measure.close(ctx.window, grad_outputs, plan, ctx.values)
             ctx.window = None
         elif plan.measure is not None:
             plan.measure.learn_outputs(grad_outputs)
@@ -72,15 +75,18 @@ class Step(torch.autograd.Function):
                 "Differentiate every output this model's losses use on the first step, or wrap the model in "
                 "another remat.Remat for this loss"
             )
-        tangents = _tangents(g, grad_outputs, plan.outside.no_grad)
+        tangents = _tangents(g, grad_outputs, plan.outside.no_grad, ctx.values)
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
-        args += ctx.saved
+        args += ctx.saved + ctx.sizes
         ctx.saved = None
         del tangents, grad_outputs
         with no_autocast():
             grads = dict(zip(phases.grads, phases.backward(args)))
         by_input = _grads_by_input(grads, plan.input_grads, got)
-        return (None, None, None, *[by_input.get(v) for v in ctx.vids])
+        del grads
+        if plan.measure is not None:
+            plan.measure.after_backward()
+        return (None, None, None, None, *[by_input.get(v) for v in ctx.vids])
 
 
 def input_grads(g: JointGraph) -> list[tuple[int, int, frozenset[int]]]:
@@ -122,8 +128,11 @@ def _update_buffers(g, produced, backward_inputs, by_vid, copied: set[int]) -> N
             buf.copy_(produced[g.value_of[out]])
 
 
-def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
-    """The backward phase's tangents; ``None`` for an output planned without gradient that got none."""
+def _tangents(
+    g: JointGraph, grad_outputs, no_grad: frozenset[int], values: tuple[int, ...]
+) -> dict[int, torch.Tensor | None]:
+    """The backward phase's tangents; ``None`` for an output planned without gradient that got
+    none. ``values``: the call's symbolic sizes."""
     c = g.captured
     out: dict[int, torch.Tensor | None] = {}
     for ph, b in zip(c.placeholders, c.bindings):
@@ -131,13 +140,16 @@ def _tangents(g: JointGraph, grad_outputs, no_grad: frozenset[int]) -> dict[int,
             continue
         grad = grad_outputs[b.target]
         meta = ph.meta["val"]
+        shape, stride = tuple(meta.shape), tuple(meta.stride())
+        if g.sizes is not None:
+            shape, stride = g.sizes.at(shape, values), g.sizes.at(stride, values)
         if grad is None:  # no loss differentiates this output: zeros, as autograd would give
             if b.target not in no_grad:
-                grad = tangent_or_zeros(None, tuple(meta.shape), meta.stride(), meta.dtype, str(meta.device))
+                grad = tangent_or_zeros(None, shape, stride, meta.dtype, str(meta.device))
             out[g.value_of[ph]] = grad
             continue
-        if grad.stride() != meta.stride():  # e.g. an expanded scalar from .sum(): traced dense
-            dense = torch.empty_strided(meta.shape, meta.stride(), dtype=grad.dtype, device=grad.device)
+        if grad.stride() != stride:  # e.g. an expanded scalar from .sum(): traced dense
+            dense = torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device)
             grad = dense.copy_(grad)
         out[g.value_of[ph]] = grad
     return out

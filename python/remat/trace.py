@@ -26,12 +26,14 @@ def trace(
     return g
 
 
-def captured(model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False) -> JointGraph:
+def captured(
+    model: nn.Module, args: tuple, kwargs: dict, compiled: bool = False, dynamic: list[set[int]] | None = None
+) -> JointGraph:
     """The joint graph of one training step, with sizes and aliases from its fake tensors and
     estimated times. It holds the casts of the autocast state of the call (``remat.amp``);
-    ``compiled``: for Inductor (``capture``)."""
+    ``compiled``: for Inductor; ``dynamic``: the input dimensions traced as symbols (``capture``)."""
     with stage("capture"):
-        g = build_graph(capture(model, args, kwargs, compiled), type(model).__name__)
+        g = build_graph(capture(model, args, kwargs, compiled, dynamic), type(model).__name__)
         estimate(g)
         accumulate_in_place(g)
     return g
@@ -95,6 +97,8 @@ def sample_tangents(g: JointGraph, no_grad: frozenset[int]) -> dict[int, torch.T
     for ph, b in zip(g.captured.placeholders, g.captured.bindings):
         if b.kind == "tangent":
             val = ph.meta["val"]
-            grad = None if b.target in no_grad else torch.ones(val.shape, dtype=val.dtype, device=val.device)
+            grad = (
+                None if b.target in no_grad else torch.ones(g.concrete(val.shape), dtype=val.dtype, device=val.device)
+            )
             out[g.value_of[ph]] = grad
     return out
