@@ -133,7 +133,10 @@ class Graph:
         o = self.owner
 
         def plan(budget: int | float | None) -> None:
-            self.remat = Remat(self.gm, args, budget, plan_dir=o._plan_dir, measure_loss=False, **o._options)
+            # Dynamo recompiles per shape (dynamic=False), so each graph's plan is for one shape
+            self.remat = Remat(
+                self.gm, args, budget, plan_dir=o._plan_dir, measure_loss=False, dynamic=False, **o._options
+            )
 
         self._fit(share, plan)
 

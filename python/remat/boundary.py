@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from .capture import Captured
 from .graph import JointGraph, Value, build_graph
-from .sizes import same_shape
+from .sizes import as_nodes, same_shape
 
 # Tensors of an output's size that a usual loss holds at once, the most of those measured:
 # ``x.pow(2).mean()``'s backward holds the mean's gradient, ``2 * grad``, ``x.pow(1)`` and their
@@ -187,9 +187,9 @@ def _copy_with_outside(
                 readers.append(user)
         if not readers:
             continue
-        args = (ph, tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device))
         with graph.inserting_before(first):
-            zeros = graph.call_function(tangent_or_zeros, args)
+            shape, stride = as_nodes(graph, tuple(val.shape)), as_nodes(graph, tuple(val.stride()))
+            zeros = graph.call_function(tangent_or_zeros, (ph, shape, stride, val.dtype, str(val.device)))
         zeros.meta = {"val": val, "partitioner_tag": "is_backward"}
         ph.replace_all_uses_with(zeros, delete_user_cb=lambda user, readers=readers: user in readers)
         new_values[zeros.name] = ("zeros", base.values[base.value_of[original]].bytes)

@@ -33,9 +33,9 @@ from .profile import _meta
 from .sizes import Sizes, storage_expr
 
 # Each level's value of a symbol is the level above's divided by this (rounded up).
-STEP = 1.25
+STEP = 1.4
 # The smallest level of a symbol, as a share of its bound.
-SMALLEST = 1 / 8
+SMALLEST = 1 / 4
 
 
 def scaled_json(g: JointGraph, values: tuple[int, ...], loss_ratio: float) -> str:

@@ -13,7 +13,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -250,6 +250,8 @@ class Remat(nn.Module):
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
                 plan = _make_plan(base, saved.outside, budget, options, inputs, (saved.schedule, file.path))
+                if plan.graph.sizes is not None and plan.budget < plan.plain_peak and not options.compile:
+                    plan.levels = _levels(plan.graph, plan, options, (saved.levels, file.path))
                 measure.done = measure.done or saved.measured
                 measure.measured = saved.measured
                 log.info("read the plan from %s", file.path)
@@ -532,7 +534,8 @@ class _Planned:
 
     def save(self) -> None:
         if self.file is not None:
-            saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule)
+            levels = tuple((values, plan.schedule) for values, plan in self.plan.levels or ())
+            saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule, levels)
             save(self.file.path, self.file.fp, self.base, saved)
 
 
@@ -794,7 +797,9 @@ class _Plan:
             self.measure.window.watch(list(outs))
         elif self.measure is not None and self.measure.learning():
             self.measure.watch(list(outs))
-        return tree.unflatten(self.graph.captured.out_spec, list(outs))
+        sizes = self.graph.sizes
+        size_of = (lambda x: x) if sizes is None else (lambda x: sizes.at(x, values))
+        return tree.unflatten(self.graph.captured.out_spec, list(outs), size_of)
 
 
 def _first_plan(
@@ -942,9 +947,12 @@ def _make_plan(
     return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
 
 
-def _levels(g: JointGraph, top: _Plan, options: _Options) -> list[tuple[tuple[int, ...], _Plan]]:
+def _levels(
+    g: JointGraph, top: _Plan, options: _Options, saved: tuple[tuple, Path] | None = None
+) -> list[tuple[tuple[int, ...], _Plan]]:
     """Plans of ``top``'s graph, within its budget, at the levels below its bound (``levels``):
-    along each symbol down to the largest value at which plain PyTorch's step fits."""
+    along each symbol down to the largest value at which plain PyTorch's step fits. ``saved``:
+    the levels' schedules of a plan file and the file, replayed at their values instead."""
     sizes = g.sizes
     assert sizes is not None
     most = _reserve(g, None, top.copied)
@@ -952,6 +960,27 @@ def _levels(g: JointGraph, top: _Plan, options: _Options) -> list[tuple[tuple[in
     def at(values: tuple[int, ...]) -> tuple[str, int, int]:
         graph_json = levels.scaled_json(g, values, levels.loss_ratio(g, values))
         return (graph_json, *_core.budget_range(graph_json))
+
+    def level(values: tuple[int, ...], graph_json: str, schedule: dict, plain_peak: int, min_budget: int) -> _Plan:
+        held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
+        peak = schedule["predicted"]["peak_bytes"] + held_back
+        limits = (top.budget, plain_peak, min_budget + most, held_back)
+        return _Plan(g, graph_json, schedule, build_phases(g, schedule), *limits, top.outside, top.copied, peak)
+
+    if saved is not None:
+        found, path = saved
+        out = []
+        for values, schedule in found:
+            graph_json, min_budget, plain_peak = at(values)
+            try:
+                schedule = {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
+            except RematError as exc:
+                raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
+            plan = level(values, graph_json, schedule, plain_peak, min_budget)
+            if plan.peak > top.budget:
+                raise PlanFileError(f"a schedule in {path} peaks at {plan.peak} bytes, over {top.budget}; delete it")
+            out.append((values, plan))
+        return out
 
     out = []
     for i, chain in enumerate(levels.chains(sizes)):
@@ -969,13 +998,10 @@ def _levels(g: JointGraph, top: _Plan, options: _Options) -> list[tuple[tuple[in
                     else:
                         high = mid
             try:
-                schedule, held_back = _solve(g, graph_json, top.budget, plain_peak, top.copied, most, options)
+                schedule, _ = _solve(g, graph_json, top.budget, plain_peak, top.copied, most, options)
             except InfeasibleBudget:
                 continue  # the plan above serves these sizes
-            phases = build_phases(g, schedule)
-            peak = schedule["predicted"]["peak_bytes"] + held_back
-            limits = (top.budget, plain_peak, min_budget + most, held_back)
-            out.append((values, _Plan(g, graph_json, schedule, phases, *limits, top.outside, top.copied, peak)))
+            out.append((values, level(values, graph_json, schedule, plain_peak, min_budget)))
             if plain_peak <= top.budget:
                 break
             above = values

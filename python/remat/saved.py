@@ -5,7 +5,8 @@ A plan file is named by a fingerprint of what the plan depends on: the captured 
 profiling (its code, input shapes, dtypes and strides, sizes and estimated times), the budget, the
 solver's options, and the remat and torch versions. It holds the profile (each op's measured time
 and temporaries, each value's bytes and aliases), what the step holds outside the graph, whether
-a step measured that, and the schedule. A file that is not a plan file of this format, holds
+a step measured that, and the schedule, with the schedules at smaller sizes of a graph captured
+with symbolic sizes (``levels``). A file that is not a plan file of this format, holds
 another fingerprint, does not fit the graph, or whose schedule does not replay on it within the
 budget raises ``PlanFileError`` naming it, and is never run."""
 
@@ -26,7 +27,7 @@ from .errors import PlanFileError
 from .graph import JointGraph
 
 SCHEMA = "remat.plan_file"
-VERSION = 1
+VERSION = 2
 
 
 def remat_version() -> str:
@@ -58,6 +59,8 @@ class Saved:
     outside: Outside
     measured: bool  # a training step measured ``outside``
     schedule: dict[str, Any]
+    # the schedules at smaller values of a symbolic graph's sizes, with those values (``levels``)
+    levels: tuple[tuple[tuple[int, ...], dict[str, Any]], ...] = ()
 
 
 def save(path: Path, fp: str, base: JointGraph, saved: Saved) -> None:
@@ -79,6 +82,7 @@ def save(path: Path, fp: str, base: JointGraph, saved: Saved) -> None:
         "outside": [o.loss_bytes, o.held_bytes, sorted(o.no_grad), sorted(o.released)],
         "measured": saved.measured,
         "schedule": saved.schedule,
+        "levels": [[list(values), schedule] for values, schedule in saved.levels],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -111,7 +115,8 @@ def load(path: Path, fp: str, base: JointGraph) -> Saved:
             v.alias_of = None if owner is None else ids[owner]
         loss, held, no_grad, released = data["outside"]
         outside = Outside(loss, held, frozenset(no_grad), frozenset(released))
-        return Saved(outside, bool(data["measured"]), data["schedule"])
+        levels = tuple((tuple(int(x) for x in values), schedule) for values, schedule in data["levels"])
+        return Saved(outside, bool(data["measured"]), data["schedule"], levels)
     except (KeyError, TypeError, ValueError) as exc:
         why = f"{type(exc).__name__}: {exc}"
         raise PlanFileError(f"{path} does not fit the graph of {base.name} ({why}); {fix}") from None

@@ -146,6 +146,25 @@ def map_sizes(args: Any, size_of) -> Any:
     return pytree.tree_map(one, args, is_leaf=lambda a: isinstance(a, fx.Node))
 
 
+def symbolic_size(name: str) -> int:
+    """The target of a node that stands for a symbolic size in a graph remat builds (``as_nodes``):
+    phases and profiling read the size from the call's sizes instead of calling it."""
+    raise AssertionError(f"the symbolic size {name} is read from the call's sizes, not computed")
+
+
+def as_nodes(graph: fx.Graph, x: tuple) -> tuple:
+    """``x`` (a shape or strides) with each symbolic number replaced by a node of ``graph``
+    standing for it, inserted at the graph's insertion point."""
+    out = []
+    for e in x:
+        if symbolic(e):
+            node = graph.call_function(symbolic_size, (str(expr_of(e)),))
+            node.meta["val"] = e
+            e = node
+        out.append(e)
+    return tuple(out)
+
+
 def storage_expr(t: torch.Tensor) -> Any:
     """The bytes of ``t``'s storage: a symbolic number for a fake tensor of symbolic shape."""
     return t.untyped_storage().nbytes()

@@ -1,0 +1,152 @@
+"""One plan for every input shape up to the sample's: a loop whose batches are padded to their
+own length (dynamic padding) trains through one ``Remat`` without planning again, within the
+budget at every length, with plain PyTorch's loss and gradients."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import remat
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+VOCAB = 256
+BOUND = 64
+
+
+def _gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128, use_cache=False)
+    config.bos_token_id = config.eos_token_id = 0
+    return GPT2LMHeadModel(config).train()
+
+
+def _tokens(length: int, batch: int = 4) -> torch.Tensor:
+    return torch.randint(VOCAB, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
+def _call(tokens: torch.Tensor, inside: bool) -> dict[str, torch.Tensor]:
+    return {"input_ids": tokens, "labels": tokens} if inside else {"input_ids": tokens}
+
+
+def _step(model, runner, tokens: torch.Tensor, inside: bool):
+    """One step (dropout's masks drawn alike in every run): the loss and the parameters' gradients."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    if inside:
+        loss = runner(**_call(tokens, True)).loss
+    else:
+        logits = runner(input_ids=tokens).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _peak(model, runner, tokens: torch.Tensor, inside: bool) -> int:
+    keep = [*model.parameters(), *model.buffers(), tokens]
+    model.zero_grad(set_to_none=True)
+    return remat.testing.measure_step(lambda: _step(model, runner, tokens, inside), keep).peak_bytes
+
+
+def _planned(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(("planned", "a call beyond"))]
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["loss_outside", "loss_inside"])
+def test_one_plan_serves_every_length_within_the_bound(inside: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Steps of 4 lengths (the bound's among them) keep the budget, measured with the loss, and
+    give plain PyTorch's loss and gradients; only ``Remat()`` and the first step (which
+    measures the loss and plans for it) plan."""
+    model = _gpt2()
+    budget = int(0.5 * _peak(model, model, _tokens(BOUND), inside))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        rm = remat.Remat(model, _call(_tokens(BOUND), inside), budget)
+        assert rm._current.sizes is not None and rm._current.sizes.bound == (4, BOUND)
+        for i, length in enumerate([40, BOUND, 17, 53, 40]):
+            tokens = _tokens(length)
+            want_loss, want_grads = _step(model, model, tokens, inside)
+            loss, grads = _step(model, rm, tokens, inside)
+            if i == 0:
+                caplog.clear()  # what the first step planned
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+            for g, want in zip(grads, want_grads):
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+            assert _peak(model, rm, tokens, inside) <= budget, length
+    assert _planned(caplog) == [] and len(rm._plans) == 1
+
+
+def test_short_calls_run_plans_for_their_size() -> None:
+    """Below the bound a call runs a plan made for a smaller size, which recomputes less; where
+    plain PyTorch's step fits the budget, the plan is plain."""
+    model = _gpt2()
+    plain = [_peak(model, model, _tokens(n), False) for n in (BOUND, 16)]
+    budget = int(0.5 * plain[0])
+    assert plain[1] < budget
+    rm = remat.Remat(model, _call(_tokens(BOUND), False), budget)
+    _step(model, rm, _tokens(BOUND), False)  # measures the loss and plans for it
+    top = rm._plan
+    assert top is not None and top.levels
+    short = top.at((4, 16))
+    assert short is not top and short.schedule["predicted"]["recomputed_time"] == 0
+    assert top.schedule["predicted"]["recomputed_time"] > 0
+
+
+def test_a_call_beyond_the_bound_plans_once_for_the_new_bound(caplog: pytest.LogCaptureFixture) -> None:
+    """A longer call plans for the bound raised to it, once, in place of the old plan, logged
+    with its time; calls up to the new bound plan nothing more and keep the budget."""
+    model = _gpt2()
+    budget = int(0.5 * _peak(model, model, _tokens(BOUND), False))
+    rm = remat.Remat(model, _call(_tokens(32), False), budget)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for length in (BOUND, 40, BOUND):
+            tokens = _tokens(length)
+            want_loss, want_grads = _step(model, model, tokens, False)
+            loss, grads = _step(model, rm, tokens, False)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+            for g, want in zip(grads, want_grads):
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    beyond = [m for m in _planned(caplog) if m.startswith("a call beyond")]
+    assert len(beyond) == 1 and "input 0 dim 1 = 64" in beyond[0], _planned(caplog)
+    assert len(rm._plans) == 1 and rm._current.sizes.bound == (4, BOUND)
+    assert _peak(model, rm, _tokens(BOUND), False) <= budget
+
+
+def test_sizes_the_graph_does_not_serve_get_their_own_plans() -> None:
+    """A length of 1 (traced sizes are 2 or more) plans for itself; another dtype is another
+    signature, which ``max_plans`` counts."""
+    model = _gpt2()
+    budget = int(0.5 * _peak(model, model, _tokens(BOUND), False))
+    rm = remat.Remat(model, _call(_tokens(BOUND), False), budget, max_plans=2)
+    _step(model, rm, _tokens(1), False)
+    assert len(rm._plans) == 2
+    with pytest.raises(remat.InputMismatch, match="keeps 2 plans"):
+        _step(model, rm, _tokens(20).int(), False)
+
+
+def test_saved_plans_serve_every_length_without_planning(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted process reads the plan and its plans at smaller sizes from the file: it
+    solves nothing at any length within the bound."""
+    model = _gpt2()
+    rm = remat.Remat(model, _call(_tokens(BOUND), False), 0.5, plan_dir=tmp_path)
+    _step(model, rm, _tokens(BOUND), False)  # measures the loss; the plan for it is saved
+    levels = len(rm._plan.levels)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        again = remat.Remat(model, _call(_tokens(BOUND), False), 0.5, plan_dir=tmp_path)
+        for length in (BOUND, 24, 50):
+            tokens = _tokens(length)
+            want_loss, want_grads = _step(model, rm, tokens, False)
+            loss, grads = _step(model, again, tokens, False)
+            torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
+            for g, want in zip(grads, want_grads):
+                torch.testing.assert_close(g, want, rtol=0, atol=0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("read the plan") for m in messages)
+    assert not any(m.startswith(("solve", "profile", "plans at smaller sizes")) for m in messages), messages
+    assert len(again._plan.levels) == levels > 0
+
+
+def test_compile_with_dynamic_sizes_names_the_fix() -> None:
+    with pytest.raises(remat.ArgumentError, match="dynamic=False"):
+        remat.Remat(_gpt2(), _tokens(BOUND), 0.5, compile=True, dynamic=True)
