@@ -94,9 +94,9 @@ def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
     traced = {}
 
-    def captured_once(model, args, kwargs, compiled=False):
+    def captured_once(model, args, kwargs, compiled=False, dynamic=None):
         if "graph" not in traced:
-            traced["graph"] = captured(model, args, kwargs, compiled)
+            traced["graph"] = captured(model, args, kwargs, compiled, dynamic)
         return traced["graph"]
 
     def profiled_once(g, model, args, kwargs, plan=None):

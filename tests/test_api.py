@@ -124,9 +124,10 @@ def test_a_plan_that_recomputes_more_than_a_steps_time_warns(monkeypatch: pytest
 
 
 def test_call_with_other_shapes_beyond_max_plans_raises() -> None:
+    """With static shapes (``dynamic=False``) each shape is a plan of its own."""
     torch.manual_seed(0)
     model, sample = mlp()
-    rm = remat.Remat(model, sample, None, max_plans=1)
+    rm = remat.Remat(model, sample, None, max_plans=1, dynamic=False)
     with pytest.raises(remat.InputMismatch, match=r"\[16, 64\].*planned: inputs \[32, 64\]"):
         rm(torch.randn(16, 64))
 

@@ -1,5 +1,6 @@
 """remat in a training loop as users write it: mixed precision under ``torch.autocast``, batches
-of other shapes, plans made ahead, and a model moved to another dtype after planning."""
+of other shapes with static shapes (``dynamic=False``: a plan per shape; ``test_shapes`` has one
+plan for every shape), plans made ahead, and a model moved to another dtype after planning."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_new_shapes_get_their_own_plans(caplog: pytest.LogCaptureFixture) -> Non
     plain = [_peak(model, model, _tokens(*s)) for s in shapes]
     budget = int(0.55 * plain[0])
     assert plain[2] < budget < plain[1]
-    rm = remat.Remat(model, _tokens(*shapes[0]), budget)
+    rm = remat.Remat(model, _tokens(*shapes[0]), budget, dynamic=False)
     with caplog.at_level(logging.INFO, logger="remat"):
         for shape in shapes:
             tokens = _tokens(*shape)
@@ -125,7 +126,7 @@ def test_new_shapes_get_their_own_plans(caplog: pytest.LogCaptureFixture) -> Non
 
 def test_a_fraction_is_of_each_shapes_plain_peak() -> None:
     model = _gpt2()
-    rm = remat.Remat(model, _tokens(4), 0.75)
+    rm = remat.Remat(model, _tokens(4), 0.75, dynamic=False)
     budgets = {}
     for batch in (4, 2):
         _step(model, rm, _tokens(batch))
@@ -137,7 +138,7 @@ def test_a_fraction_is_of_each_shapes_plain_peak() -> None:
 
 def test_plans_made_ahead_are_used_and_the_cap_is_an_error(caplog: pytest.LogCaptureFixture) -> None:
     model = _gpt2()
-    rm = remat.Remat(model, _tokens(4), 0.5, max_plans=2)
+    rm = remat.Remat(model, _tokens(4), 0.5, max_plans=2, dynamic=False)
     rm.plan_for(_tokens(2))
     with caplog.at_level(logging.INFO, logger="remat"):
         _step(model, rm, _tokens(2))

@@ -459,12 +459,13 @@ class Remat(nn.Module):
         same_outputs = (measured.no_grad, measured.released) == (current.outside.no_grad, current.outside.released)
         if same_outputs and max(loss_over, held_over) <= current.slack() and not planned.provisional:
             if min(loss_over, held_over) >= -0.01 * current.budget:
-                planned.save()
+                planned.add_levels(self._options)
                 return
         t0 = time.perf_counter()
         try:
             plan = _make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
         except InfeasibleBudget as exc:
+            measure.outside = measured  # each call raises until the budget is raised (set_budget)
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
         planned.adopt(plan, self._options)
         log.info(
@@ -522,14 +523,20 @@ class _Planned:
         """Runs ``plan`` from now on (with a warning where it is slow) and saves it (unless
         ``provisional``)."""
         plan.measure, self.plan, self.provisional = self.measure, plan, provisional
-        g = plan.graph
-        if plan.levels is None and g.sizes is not None and plan.budget < plan.plain_peak and not options.compile:
+        _warn_if_slow(plan, options)
+        self.add_levels(options)
+
+    def add_levels(self, options: _Options) -> None:
+        """Plans at smaller sizes for the plan of a symbolic graph, once the loss is measured (the
+        plan of the first step, which measures it, serves every size: ``levels``); saves the plan."""
+        plan, g = self.plan, self.plan.graph
+        wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
+        if wanted and plan.levels is None and self.measure.done:
             with stage(f"plans at smaller sizes ({g.sizes.describe()} at the bound)"):
                 plan.levels = _levels(g, plan, options)
         for _, level in plan.levels or ():
             level.measure = self.measure
-        _warn_if_slow(plan, options)
-        if not provisional:
+        if not self.provisional:
             self.save()
 
     def save(self) -> None:
@@ -572,7 +579,10 @@ class _Measure:
     def after_backward(self) -> None:
         """At the end of a step's backward: plans for the loss it measured, if any."""
         if self.outside is not None and self.replan is not None:
-            self.replan()
+            try:
+                self.replan()
+            except InfeasibleBudget:
+                pass  # raised by the next call, as the measurement stays to plan for
 
     def give_up(self) -> None:
         """No window: called from a torch.compile'd module, whose frames restore the dispatch
