@@ -90,13 +90,18 @@ class Remat(nn.Module):
         plan_dir: a directory where each plan is saved (``remat.saved``), and found again by a
             later process with the same model, sample, budget, options and versions, which then
             skips profiling and solving.
+        dynamic: trace each input dimension of 2 or more as a symbol, so that one plan serves
+            every shape up to the sample's (its bound); ``False``: a plan per shape. By default
+            ``True``, and ``False`` with ``compile``, whose phases are compiled for one shape.
 
-    A plan belongs to an input signature (the shapes, dtypes and devices of the tensors, the
-    other arguments), an autocast state (``torch.autocast``: enabled or not, and its dtype) and
-    the parameters' devices and dtypes. A training call with a new combination plans for it once
-    (logged with its time) and keeps the plan; ``plan_for`` plans ahead. When ``max_plans``
-    plans are kept, a call that needs another raises ``InputMismatch``: a loop whose every batch
-    has a new shape would plan on every step, so pad batches to a few shapes instead. Build the
+    A plan belongs to an input signature (the ranks, dtypes and devices of the tensors, the other
+    arguments; with ``dynamic=False`` the shapes too), an autocast state (``torch.autocast``:
+    enabled or not, and its dtype) and the parameters' devices and dtypes. With symbolic sizes it
+    serves every call that passes the guards tracing recorded up to its bound, each running the
+    plan made for the smallest sizes above its own (``remat.levels``); a call beyond the bound
+    plans again for the bound raised to it, in its place. A training call with a new combination
+    plans for it once (logged with its time) and keeps the plan; ``plan_for`` plans ahead. When
+    ``max_plans`` plans are kept, a call that needs another raises ``InputMismatch``. Build the
     wrapper under the autocast state it trains in, so that its first plan serves.
 
     The budget covers the whole step, the user's loss included (``remat.boundary``): the first
