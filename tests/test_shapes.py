@@ -150,3 +150,35 @@ def test_saved_plans_serve_every_length_without_planning(tmp_path, caplog: pytes
 def test_compile_with_dynamic_sizes_names_the_fix() -> None:
     with pytest.raises(remat.ArgumentError, match="dynamic=False"):
         remat.Remat(_gpt2(), _tokens(BOUND), 0.5, compile=True, dynamic=True)
+
+
+def test_named_dimensions_and_bounds(caplog: pytest.LogCaptureFixture) -> None:
+    """Only the named dimensions are symbolic, up to their bounds, which may exceed the sample's:
+    a call up to the bound plans nothing; another batch size is another plan."""
+    model = _gpt2()
+    budget = int(0.5 * _peak(model, model, _tokens(BOUND), False))
+    rm = remat.Remat(model, _call(_tokens(48), False), budget, dynamic={"input_ids": {1: BOUND}})
+    assert rm._current.sizes.bound == (BOUND,)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for length in (BOUND, 30):
+            tokens = _tokens(length)
+            want_loss, want_grads = _step(model, model, tokens, False)
+            loss, grads = _step(model, rm, tokens, False)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+            for g, want in zip(grads, want_grads):
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+            if length == BOUND:
+                caplog.clear()  # the first step plans for its loss
+        assert _peak(model, rm, _tokens(BOUND), False) <= budget
+    assert _planned(caplog) == [] and len(rm._plans) == 1
+    _step(model, rm, _tokens(30, batch=3), False)
+    assert len(rm._plans) == 2
+
+
+@pytest.mark.parametrize(
+    ("dynamic", "match"),
+    [({"tokens": {1: 64}}, "not a tensor argument"), ({"input_ids": {1: 8}}, "below the sample's size")],
+)
+def test_bad_dynamic_dimensions_name_the_fix(dynamic, match: str) -> None:
+    with pytest.raises(remat.ArgumentError, match=match):
+        remat.Remat(_gpt2(), _call(_tokens(16), False), 0.5, dynamic=dynamic)

@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -52,7 +52,7 @@ from .memory import Allocations, profiler_running, storage_ptrs
 from .plot import measured_curve, plot, predicted_curve
 from .rng import rng_state_bytes
 from .saved import Saved, fingerprint, load, path_of, save
-from .sizes import Sizes
+from .sizes import Dynamic, Sizes, dynamic_dims
 from .stages import planning, stage
 from .step import Step, input_grads
 from .trace import captured, graph_inputs, profiled
@@ -90,9 +90,15 @@ class Remat(nn.Module):
         plan_dir: a directory where each plan is saved (``remat.saved``), and found again by a
             later process with the same model, sample, budget, options and versions, which then
             skips profiling and solving.
-        dynamic: trace each input dimension of 2 or more as a symbol, so that one plan serves
-            every shape up to the sample's (its bound); ``False``: a plan per shape. By default
-            ``True``, and ``False`` with ``compile``, whose phases are compiled for one shape.
+        dynamic: trace the dimensions that vary in training loops as symbols, so that one plan
+            serves every shape up to the sample's (its bound): each dimension of integer and
+            boolean inputs (token ids, masks, labels) and the first (batch) dimension of the
+            others (images, features); ``False``: a plan per shape. Or name the
+            dynamic dimensions and their bounds: ``{"input_ids": {1: 512}}`` (keyword arguments
+            by name, positional ones by index; a bound of ``None`` is the sample's size), the
+            other dimensions static; the sample is repeated along a dimension up to a larger
+            bound to profile the plan there. By default ``True``, and ``False`` with
+            ``compile``, whose phases are compiled for one shape.
 
     A plan belongs to an input signature (the ranks, dtypes and devices of the tensors, the other
     arguments; with ``dynamic=False`` the shapes too), an autocast state (``torch.autocast``:
@@ -127,13 +133,15 @@ class Remat(nn.Module):
         max_plans: int = 8,
         plan_dir: str | os.PathLike | None = None,
         measure_loss: bool = True,
-        dynamic: bool | None = None,
+        dynamic: Dynamic | None = None,
     ) -> None:
         super().__init__()
         if solver != "none":
             _core.check_options(solver, time_limit, mip_gap, slots)
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
+        if isinstance(dynamic, Mapping):
+            dynamic_dims(*_as_call(sample), dynamic, check=True)
         if compile and dynamic:
             raise ArgumentError(
                 "compile=True compiles each plan's phases for one input shape, and dynamic=True asks for one plan "
@@ -250,7 +258,7 @@ class Remat(nn.Module):
         measure = _Measure()
         measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
-            base = self._captured(args, kwargs)
+            base, args, kwargs = self._captured(args, kwargs)
             file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
@@ -280,22 +288,25 @@ class Remat(nn.Module):
         log.info("planned for %s in %.2f s", _describe(key), time.perf_counter() - t0)
         return self._current
 
-    def _captured(self, args: tuple, kwargs: dict) -> JointGraph:
-        """The call's graph: with every input dimension of 2 or more symbolic where ``dynamic``
-        (those tracing keeps symbolic), or with static shapes where tracing with symbols fails."""
+    def _captured(self, args: tuple, kwargs: dict) -> tuple[JointGraph, tuple, dict]:
+        """The call's graph, and the sample it is profiled with. Where ``dynamic``, its dynamic
+        dimensions are symbolic (those tracing keeps symbolic), the sample grown to their bounds;
+        where tracing with symbols fails, shapes are static (planned per shape, logged)."""
         if not self.dynamic:
-            return captured(self.model, args, kwargs, self._options.compile)
-        tensors = flatten_inputs(args, kwargs)[0]
-        dims = [{d for d, n in enumerate(t.shape) if n >= 2} for t in tensors]
+            return captured(self.model, args, kwargs, self._options.compile), args, kwargs
+        bounds = dynamic_dims(args, kwargs, self.dynamic)
+        tensors, spec, consts = flatten_inputs(args, kwargs)
+        grown = [_grown(t, tuple(b.get(d, n) for d, n in enumerate(t.shape))) for t, b in zip(tensors, bounds)]
+        args, kwargs = unflatten_inputs(spec, consts, grown)
         try:
-            return captured(self.model, args, kwargs, self._options.compile, dims)
+            return captured(self.model, args, kwargs, self._options.compile, [set(b) for b in bounds]), args, kwargs
         except CaptureError as exc:
             log.warning(
                 "remat: %s with symbolic sizes failed (%s); it is captured with static shapes, planned per shape",
                 type(self.model).__name__,
                 exc.__cause__ or exc,
             )
-            return captured(self.model, args, kwargs, self._options.compile)
+            return captured(self.model, args, kwargs, self._options.compile), args, kwargs
 
     def _plan_file(self, base: JointGraph) -> _PlanFile | None:
         if self.plan_dir is None:

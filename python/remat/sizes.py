@@ -14,7 +14,7 @@ The symbols' *bound* is the largest value a plan serves; ``at(x)`` evaluates at 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,3 +177,56 @@ def free_symbols(values: Iterable[Any]) -> set[sympy.Symbol]:
         if expr is not None:
             out |= expr.free_symbols
     return out
+
+
+Dynamic = bool | Mapping[str | int, Mapping[int, int | None]]
+
+
+def dynamic_dims(args: tuple, kwargs: dict, dynamic: Dynamic, check: bool = False) -> list[dict[int, int]]:
+    """For each flat input tensor of a call, its symbolic dimensions and their bounds.
+    ``dynamic``: ``True`` for the dimensions that vary in training loops, bounded by the call's
+    sizes: each dimension of integer and boolean tensors (token ids, masks, labels: batch and
+    length) and the batch dimension (the first) of the others (images, features), where of size 2
+    or more (tracing specializes 0 and 1); or the
+    call's arguments by keyword name or position, each with its dimensions and their bounds
+    (``None``: the call's size; a bound under it is raised to it, or with ``check`` raises
+    ``ArgumentError``), the other dimensions static."""
+    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    tensors = [(path, t) for path, t in paths if isinstance(t, torch.Tensor)]
+    if dynamic is True:
+        return [
+            {d: n for d, n in enumerate(t.shape) if n >= 2 and (d == 0 or not t.is_floating_point())}
+            for _, t in tensors
+        ]
+    from .errors import ArgumentError
+
+    assert isinstance(dynamic, Mapping)
+    names = {_top_level(path): (path, t) for path, t in tensors if len(path) == 2}
+    for name in dynamic:
+        if name not in names:
+            raise ArgumentError(
+                f"dynamic names {name!r}, which is not a tensor argument of the sample; name keyword arguments by "
+                f"name and positional ones by index: {sorted(names, key=str)}"
+            )
+    out: list[dict[int, int]] = []
+    for path, t in tensors:
+        dims = dynamic.get(_top_level(path), {}) if len(path) == 2 else {}
+        bounds = {}
+        for d, bound in dims.items():
+            if not -t.dim() <= d < t.dim():
+                raise ArgumentError(f"dynamic names dimension {d} of an argument of shape {tuple(t.shape)}")
+            bound = t.shape[d] if bound is None else bound
+            if check and bound < max(t.shape[d], 2):
+                raise ArgumentError(
+                    f"the bound {bound} of dimension {d} is below the sample's size {t.shape[d]} (or 2); pass a bound "
+                    "at least the sample's, or None for the sample's"
+                )
+            bounds[d % t.dim()] = max(int(bound), t.shape[d])
+        out.append(bounds)
+    return out
+
+
+def _top_level(path: tuple) -> str | int:
+    """The argument a flat input's path starts at: a keyword's name or a position."""
+    key = path[1]
+    return getattr(key, "key", getattr(key, "idx", None))
