@@ -85,6 +85,14 @@ def assert_close_outputs(a: Any, b: Any, rtol=1e-5, atol=1e-6) -> None:
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
+def at_the_sample_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test whose steps all have the sample's shapes: a plan's plans at smaller sizes
+    (``remat.levels``) never run there, so they are not made (each costs a solve)."""
+    import remat.levels
+
+    monkeypatch.setattr(remat.levels, "chains", lambda sizes: [[] for _ in sizes.bound])
+
+
 def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``Remat`` built from now on in the test plans on the first capture's graph: on CPU
     each capture times its ops anew, and plans of differently timed graphs need not be monotone

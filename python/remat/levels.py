@@ -24,12 +24,13 @@ runs the plan of least predicted time among the levels at or above its values in
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
-from . import _core
+from .boundary import differentiable_outputs
 from .graph import JointGraph
-from .profile import _meta
+from .profile import value_meta
 from .sizes import Sizes, storage_expr
 
 # Each level's value of a symbol is the level above's divided by this (rounded up).
@@ -40,9 +41,7 @@ SMALLEST = 1 / 4
 
 def scaled_json(g: JointGraph, values: tuple[int, ...], loss_ratio: float) -> str:
     """``g``'s graph file at ``values`` of its symbols: each value's bytes, and each op's time
-    scaled by the bytes it reads and writes; ``loss_ratio``: the loss room's scale (``loss_ratio``)."""
-    import json
-
+    scaled by the bytes it reads and writes; ``loss_ratio``: the loss room's scale (:func:`loss_ratio`)."""
     sizes = g.sizes
     assert sizes is not None
     data = g.to_dict()
@@ -59,8 +58,6 @@ def scaled_json(g: JointGraph, values: tuple[int, ...], loss_ratio: float) -> st
 def loss_ratio(g: JointGraph, values: tuple[int, ...]) -> float:
     """The loss room at ``values`` over the loss room at the bound: the bytes of the outputs a
     loss can read (``boundary.differentiable_outputs``), at ``values`` over at the bound."""
-    from .boundary import differentiable_outputs
-
     sizes = g.sizes
     assert sizes is not None
     exprs = [_output_expr(g, g.values[v]) for v in differentiable_outputs(g).values()]
@@ -81,10 +78,6 @@ def chains(sizes: Sizes) -> list[list[tuple[int, ...]]]:
     return out
 
 
-def plain_fits(graph_json: str, target: int) -> bool:
-    return _core.budget_range(graph_json)[1] <= target
-
-
 def _value_ratio(g: JointGraph, sizes: Sizes, v: Any, values: tuple[int, ...], loss: float) -> float:
     if v.name == "held_by_the_loss" or _is_loss_room(v):
         return loss
@@ -98,9 +91,9 @@ def _is_loss_room(v: Any) -> bool:
 def _storage(g: JointGraph, v: Any) -> Any:
     if v.name == "held_by_the_loss" or _is_loss_room(v):
         return 0
-    return storage_expr(_meta(g, v))
+    return storage_expr(value_meta(g, v))
 
 
 def _output_expr(g: JointGraph, v: Any) -> Any:
-    t = _meta(g, v)
+    t = value_meta(g, v)
     return t.numel() * t.element_size()

@@ -746,7 +746,7 @@ def _grown(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     new bound, made from a call's values)."""
     for d, n in enumerate(shape):
         if t.shape[d] < n:
-            t = torch.cat([t] * -(-n // t.shape[d]), dim=d).narrow(d, 0, n)
+            t = torch.cat([t] * -(-n // t.shape[d]), dim=d).narrow(d, 0, n).clone()  # not a view: its own storage
     return t
 
 

@@ -44,15 +44,15 @@ def estimate(g: JointGraph) -> None:
     owner_of: dict[int, int] = {}  # fake storage -> owning value id
     for v in g.values:
         if v.kind in ("param", "buffer", "input", "tangent"):
-            _claim(v, *_fake_storage(g, _meta(g, v)), owner_of, may_alias=v.kind != "tangent")
+            _claim(v, *_fake_storage(g, value_meta(g, v)), owner_of, may_alias=v.kind != "tangent")
     for n in g.nodes:
         for vid in n.outputs:
             value = g.values[vid]
-            _claim(value, *_fake_storage(g, _meta(g, value)), owner_of, not n.fx_node.meta.get(ACCUMULATES))
+            _claim(value, *_fake_storage(g, value_meta(g, value)), owner_of, not n.fx_node.meta.get(ACCUMULATES))
         n.time = _estimated_time(g, n)
 
 
-def _meta(g: JointGraph, v) -> torch.Tensor:
+def value_meta(g: JointGraph, v) -> torch.Tensor:
     """The value's tensor as captured (fake, or the constant itself)."""
     if v.source.op == "get_attr":
         return getattr(g.captured.gm, v.source.target)
@@ -73,7 +73,7 @@ def _estimated_time(g: JointGraph, n) -> float:
     if n.outputs and (name in _MATMULS or name == "convolution") and isinstance(weight, torch.fx.Node):
         w = weight.meta["val"]
         inner = w[0].numel() if name == "convolution" else w.shape[-2]
-        flops = 2 * g.concrete(_meta(g, g.values[n.outputs[0]]).numel()) * g.concrete(inner)
+        flops = 2 * g.concrete(value_meta(g, g.values[n.outputs[0]]).numel()) * g.concrete(inner)
     return moved / _BYTES_PER_SECOND + flops / _FLOPS_PER_SECOND
 
 
