@@ -86,8 +86,8 @@ def assert_close_outputs(a: Any, b: Any, rtol=1e-5, atol=1e-6) -> None:
 
 
 def at_the_sample_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For a test whose steps all have the sample's shapes: a plan's plans at smaller sizes
-    (``remat.levels``) never run there, so they are not made (each costs a solve)."""
+    """Plans make no plans at smaller sizes (``remat.levels``; each costs a solve): a call below
+    the bound runs the bound's plan (``conftest``)."""
     import remat.levels
 
     monkeypatch.setattr(remat.levels, "chains", lambda sizes: [[] for _ in sizes.bound])

@@ -9,7 +9,7 @@ import time
 import pytest
 import remat
 import torch
-from helpers import OUTSIDE_MODEL_SLACK, Reference, at_the_sample_only, budget_of
+from helpers import OUTSIDE_MODEL_SLACK, Reference, budget_of
 from models import ARCHITECTURES
 from torch import nn
 
@@ -18,8 +18,7 @@ LEVELS = (0.6, 0.3, 0.05)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_architecture_under_three_budgets(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    at_the_sample_only(monkeypatch)
+def test_architecture_under_three_budgets(name: str) -> None:
     ref = Reference(ARCHITECTURES[name])
     unlimited = remat.Remat(ref.model, ref.sample, None)
     assert unlimited.min_budget <= unlimited.plain_peak

@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 VOCAB = 256
 BOUND = 64
+MAKES_LEVELS = True  # plans at smaller sizes are made here (``conftest``)
 
 
 def _gpt2() -> GPT2LMHeadModel:

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import remat
-from helpers import Reference, at_the_sample_only, trace_once
+from helpers import Reference, trace_once
 from zoo import NOT_CAPTURABLE, ZOO
 
 # Where between the smallest feasible budget (0) and plain PyTorch's peak (1) each budget lies.
@@ -36,7 +36,6 @@ def test_zoo_keeps_the_budget_with_the_loss_outside(name: str, monkeypatch: pyte
     # The loss's targets are made with the model, built (and seeded) by Reference.
     ref = Reference(build, loss_fn=lambda out: case["case"].loss(out))
     trace_once(monkeypatch)
-    at_the_sample_only(monkeypatch)
     # The feasible range with this loss: measured by one step of a plan at plain PyTorch's peak.
     probe = remat.Remat(ref.model, ref.sample, 1.0)
     with warnings.catch_warnings():
