@@ -263,7 +263,8 @@ class Remat(nn.Module):
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
                 plan = _make_plan(base, saved.outside, budget, options, inputs, (saved.schedule, file.path))
-                if plan.graph.sizes is not None and plan.budget < plan.plain_peak and not options.compile:
+                symbolic = plan.graph.sizes is not None and plan.budget < plan.plain_peak and not options.compile
+                if symbolic and saved.measured:  # a file saved before the loss was measured has no levels yet
                     plan.levels = _levels(plan.graph, plan, options, (saved.levels, file.path))
                 measure.done = measure.done or saved.measured
                 measure.measured = saved.measured
