@@ -45,6 +45,16 @@ def _step(model, runner, tokens: torch.Tensor, inside: bool):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def _same_step(model, runner, reference, tokens: torch.Tensor, inside: bool = False, exact: bool = False) -> None:
+    """``runner``'s step gives ``reference``'s loss and gradients (to float32 round-off, or exactly)."""
+    want_loss, want_grads = _step(model, reference, tokens, inside)
+    loss, grads = _step(model, runner, tokens, inside)
+    loss_tol, grad_tol = ((0, 0), (0, 0)) if exact else ((1e-6, 1e-6), (1e-5, 1e-6))  # (rtol, atol)
+    torch.testing.assert_close(loss, want_loss, rtol=loss_tol[0], atol=loss_tol[1])
+    for g, want in zip(grads, want_grads):
+        torch.testing.assert_close(g, want, rtol=grad_tol[0], atol=grad_tol[1])
+
+
 def _peak(model, runner, tokens: torch.Tensor, inside: bool) -> int:
     keep = [*model.parameters(), *model.buffers(), tokens]
     model.zero_grad(set_to_none=True)
@@ -67,13 +77,9 @@ def test_one_plan_serves_every_length_within_the_bound(inside: bool, caplog: pyt
         assert rm._current.sizes is not None and rm._current.sizes.bound == (4, BOUND)
         for i, length in enumerate([40, BOUND, 17, 53, 40]):
             tokens = _tokens(length)
-            want_loss, want_grads = _step(model, model, tokens, inside)
-            loss, grads = _step(model, rm, tokens, inside)
+            _same_step(model, rm, model, tokens, inside)
             if i == 0:
                 caplog.clear()  # what the first step planned
-            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
-            for g, want in zip(grads, want_grads):
-                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
             assert _peak(model, rm, tokens, inside) <= budget, length
     assert _planned(caplog) == [] and len(rm._plans) == 1
 
@@ -102,12 +108,7 @@ def test_a_call_beyond_the_bound_plans_once_for_the_new_bound(caplog: pytest.Log
     rm = remat.Remat(model, _call(_tokens(32), False), budget)
     with caplog.at_level(logging.INFO, logger="remat"):
         for length in (BOUND, 40, BOUND):
-            tokens = _tokens(length)
-            want_loss, want_grads = _step(model, model, tokens, False)
-            loss, grads = _step(model, rm, tokens, False)
-            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
-            for g, want in zip(grads, want_grads):
-                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+            _same_step(model, rm, model, _tokens(length))
     beyond = [m for m in _planned(caplog) if m.startswith("a call beyond")]
     assert len(beyond) == 1 and "input 0 dim 1 = 64" in beyond[0], _planned(caplog)
     assert len(rm._plans) == 1 and rm._current.sizes.bound == (4, BOUND)
@@ -136,12 +137,7 @@ def test_saved_plans_serve_every_length_without_planning(tmp_path, caplog: pytes
     with caplog.at_level(logging.INFO, logger="remat"):
         again = remat.Remat(model, _call(_tokens(BOUND), False), 0.5, plan_dir=tmp_path)
         for length in (BOUND, 24, 50):
-            tokens = _tokens(length)
-            want_loss, want_grads = _step(model, rm, tokens, False)
-            loss, grads = _step(model, again, tokens, False)
-            torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
-            for g, want in zip(grads, want_grads):
-                torch.testing.assert_close(g, want, rtol=0, atol=0)
+            _same_step(model, again, rm, _tokens(length), exact=True)
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("read the plan") for m in messages)
     assert not any(m.startswith(("solve", "profile", "plans at smaller sizes")) for m in messages), messages
@@ -163,11 +159,7 @@ def test_named_dimensions_and_bounds(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="remat"):
         for length in (BOUND, 30):
             tokens = _tokens(length)
-            want_loss, want_grads = _step(model, model, tokens, False)
-            loss, grads = _step(model, rm, tokens, False)
-            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
-            for g, want in zip(grads, want_grads):
-                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+            _same_step(model, rm, model, tokens)
             if length == BOUND:
                 caplog.clear()  # the first step plans for its loss
         assert _peak(model, rm, _tokens(BOUND), False) <= budget
