@@ -956,11 +956,7 @@ def _make_plan(
         else:
             schedule, path = saved
             held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
-            try:  # the replay on this graph is the plan's prediction
-                schedule = {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
-            except RematError as exc:
-                why = f"the schedule in {path} does not replay on this graph ({exc}); delete it"
-                raise PlanFileError(why) from None
+            schedule = _replayed(graph_json, schedule, path)
         with stage("build"):
             phases = build_phases(g, schedule, options.compile)
         if fit:
@@ -972,6 +968,15 @@ def _make_plan(
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
     return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
+
+
+def _replayed(graph_json: str, schedule: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A schedule of the plan file ``path`` with its replay on the graph as its prediction;
+    ``PlanFileError`` where it does not replay."""
+    try:
+        return {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
+    except RematError as exc:
+        raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
 
 
 def _levels(
@@ -999,10 +1004,7 @@ def _levels(
         out = []
         for values, schedule in found:
             graph_json, min_budget, plain_peak = at(values)
-            try:
-                schedule = {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
-            except RematError as exc:
-                raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
+            schedule = _replayed(graph_json, schedule, path)
             plan = level(values, graph_json, schedule, plain_peak, min_budget)
             if plan.peak > top.budget:
                 raise PlanFileError(f"a schedule in {path} peaks at {plan.peak} bytes, over {top.budget}; delete it")
