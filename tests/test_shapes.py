@@ -144,9 +144,26 @@ def test_saved_plans_serve_every_length_without_planning(tmp_path, caplog: pytes
     assert len(again._plan.levels) == levels > 0
 
 
-def test_compile_with_dynamic_sizes_names_the_fix() -> None:
-    with pytest.raises(remat.ArgumentError, match="dynamic=False"):
-        remat.Remat(_gpt2(), _tokens(BOUND), 0.5, compile=True, dynamic=True)
+def test_compiled_phases_serve_every_length_compiled_once(caplog: pytest.LogCaptureFixture) -> None:
+    """``compile=True``: Inductor compiles each phase once, with symbolic sizes, and the bound's
+    plan runs at every length within the budget, with plain PyTorch's loss and gradients."""
+    model = _gpt2()
+    budget = int(0.7 * _peak(model, model, _tokens(BOUND), False))
+    rm = remat.Remat(model, _call(_tokens(BOUND), False), budget, compile=True)
+    _step(model, rm, _tokens(BOUND), False)  # measures the loss; the next call compiles the plan for it
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for i, length in enumerate((BOUND, 23, 50)):
+            tokens = _tokens(length)
+            _same_step(model, rm, model, tokens)
+            if i == 0:
+                compiled = [m for m in caplog.messages if m.startswith("compiled the")]
+                assert len(compiled) >= 2 and all("for every size" in m for m in compiled), compiled
+                caplog.clear()
+            assert _peak(model, rm, tokens, False) <= budget, length
+        assert not any(m.startswith(("planned", "compiled")) for m in caplog.messages), caplog.messages
+    forward = rm._plan.phases.forward
+    assert isinstance(forward, remat.inductor.CompiledPhase)
+    assert [key[1] for key in forward._compiled] == [None]  # one code for every size
 
 
 def test_named_dimensions_and_bounds(caplog: pytest.LogCaptureFixture) -> None:

@@ -74,7 +74,7 @@ def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False
     layouts = {vid: (tuple(ph.meta["val"].shape), ph.meta["val"].stride()) for vid, ph in g.param_grads().items()}
     backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled, marks[1])
     if compiled:
-        forward, backward = CompiledPhase(forward, backward=False), CompiledPhase(backward, backward=True)
+        forward, backward = CompiledPhase(forward, False, g.sizes), CompiledPhase(backward, True, g.sizes)
     sized = g.sizes is not None
     return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads, sized)
 
@@ -112,7 +112,8 @@ def _emit(
     ``layouts``: parameter gradients (value id -> the parameter's shape and strides), put in the
     parameter's layout as soon as they are made.
 
-    ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states)``: random nodes
+    ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states[, sizes])``, each
+    input's placeholder with its captured (fake) tensor as ``meta["captured"]``: random nodes
     run through the RNG operators Inductor knows, and a sum into a gradient (``IN_PLACE``) stays
     out of place (Inductor reuses the dying buffer itself). ``mark``: the prefix of the span marked
     after each op (``build_phases``)."""
@@ -123,8 +124,11 @@ def _emit(
     if compiled:
         for vid in inputs:
             env[vid] = graph.placeholder(_clean(g.values[vid].name))
+            env[vid].meta["captured"] = _captured_val(g, vid)
         for nid in rng_inputs:
             states[nid] = graph.placeholder(f"rng_state_{nid}")
+        if g.sizes is not None:
+            call_sizes = graph.placeholder("sizes")
     else:
         boxed = graph.placeholder("inputs")
         for i, vid in enumerate(inputs):
@@ -141,7 +145,7 @@ def _emit(
         static stays a number)."""
         if not symbolic(x):
             return x
-        assert g.sizes is not None and not compiled, "a compiled phase has static sizes"
+        assert g.sizes is not None
         k = g.sizes.index(x)
         if k not in sized:
             sized[k] = _call(graph, operator.getitem, (call_sizes, k), {}, "size")
@@ -187,6 +191,15 @@ def _emit(
     graph.output((*[env[v] for v in outputs], *[states[n] for n in rng_outputs]))
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _captured_val(g: JointGraph, vid: int) -> Any:
+    """The value's tensor as captured: fake, with the graph's symbolic sizes."""
+    v = g.values[vid]
+    if v.source.op == "get_attr":
+        return getattr(g.captured.gm, v.source.target)
+    val = v.source.meta.get("val")
+    return val if v.index is None else val[v.index]
 
 
 def _mark(name: str) -> None:

@@ -57,8 +57,9 @@ def measured_peak(
     ``no_grad``: the outputs planned without a gradient. Compiles the phases first if need be."""
     predicted = schedule["predicted"]
     devices = sorted({t.device for t in inputs.values() if t.device.type == "cuda"}, key=str)
+    sizes = [g.sizes.evaluate(g.sizes.bound)] if phases.sized and g.sizes is not None else []
     with torch.random.fork_rng(devices=devices), torch.no_grad(), no_autocast():
-        args = [inputs[v] for v in phases.forward_inputs]
+        args = [inputs[v] for v in phases.forward_inputs] + sizes
         phases.forward.compile_for(args)
         with Allocations(prior=True) as record:
             result = phases.forward(args)
@@ -69,7 +70,7 @@ def measured_peak(
         saved = list(result[n_out:])
         del result
         tangents = sample_tangents(g, no_grad)
-        args = [tangents[v] if v in tangents else inputs[v] for v in phases.backward_inputs] + saved
+        args = [tangents[v] if v in tangents else inputs[v] for v in phases.backward_inputs] + saved + sizes
         given = list(tangents.values())  # autograd holds the output gradients through a backward
         del saved, tangents
         phases.backward.compile_for(args)

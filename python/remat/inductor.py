@@ -25,9 +25,13 @@ from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.lowering import fallbacks
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 from .graph import JointGraph
+from .sizes import Sizes, symbolic
 
 log = logging.getLogger("remat")
 
@@ -53,46 +57,118 @@ def compiled_times(g: JointGraph) -> None:
 class CompiledPhase:
     """Called like an eager phase, with a list of inputs that it empties; compiled at the first
     call, and again for each new set of inputs that are ``None`` (gradients of outputs that the
-    loss does not differentiate), which the compiled code does not take."""
+    loss does not differentiate), which the compiled code does not take.
 
-    def __init__(self, gm: fx.GraphModule, backward: bool) -> None:
+    A phase of a graph with symbolic sizes (``sizes``) is compiled once for every size: traced
+    from the captured fake tensors, whose sizes are the graph's symbols, with the symbols' values
+    as its last inputs. A call whose sizes break a condition Inductor assumed while compiling
+    (``ShapeEnv`` guards, such as a size under a kernel's limit), or with an input laid out other
+    than as captured, gets code compiled for its shapes alone."""
+
+    def __init__(self, gm: fx.GraphModule, backward: bool, sizes: Sizes | None = None) -> None:
         self.gm = gm
         self.backward = backward
-        self._compiled: dict[tuple[int, ...], Any] = {}
+        self.sizes = sizes
+        self._compiled: dict[tuple, Any] = {}
+        self._layouts: dict[int, tuple[tuple, tuple]] | None = None
+        self._guards: list = []  # sympy conditions on the symbols that the code compiled for every size assumes
 
     def __call__(self, inputs: list) -> tuple:
-        present, compiled = self.compile_for(inputs)
-        if len(present) < len(inputs):
-            tensors = [inputs[i] for i in present]
-            inputs.clear()
-            inputs = tensors
-        return compiled(inputs)
+        present, compiled, args = self.compile_for(inputs)
+        inputs.clear()
+        return compiled(args)
 
-    def compile_for(self, inputs: list) -> tuple[tuple[int, ...], Any]:
-        """The positions of the inputs that are not ``None``, and the code compiled for them
-        (compiled now if this is their first call)."""
+    def compile_for(self, inputs: list) -> tuple[tuple[int, ...], Any, list]:
+        """The positions of the inputs that are not ``None``, the code compiled for them (now if
+        this is their first call) and the arguments that code takes (``inputs`` untouched)."""
+        values: tuple[int, ...] = ()
+        if self.sizes is not None:
+            values = tuple(inputs[-1][: len(self.sizes.symbols)])
+            inputs = inputs[:-1]
         present = tuple(i for i, x in enumerate(inputs) if x is not None)
-        compiled = self._compiled.get(present)
+        tensors = [inputs[i] for i in present]
+        general = (
+            self.sizes is not None and self._serves(values) and self._laid_out_as_captured(inputs, present, values)
+        )
+        key = (present, None if general or self.sizes is None else values)
+        compiled = self._compiled.get(key)
         if compiled is None:
             t0 = time.perf_counter()
-            compiled = self._compiled[present] = _compile(self.gm, inputs, present, self.backward)
+            n0 = len(self.sizes.shape_env.guards) if self.sizes is not None else 0
+            compiled = _compile(self.gm, inputs, present, self.backward, self.sizes, values, general)
+            self._compiled[key] = compiled
+            if general:  # what Inductor assumed of the sizes, checked at each call
+                assert self.sizes is not None
+                self._guards += [guard.expr for guard in self.sizes.shape_env.guards[n0:]]
             phase = "backward" if self.backward else "forward"
-            log.info("compiled the %s phase with Inductor in %.2f s", phase, time.perf_counter() - t0)
-        return present, compiled
+            shapes = "every size" if general else "one shape"
+            log.info("compiled the %s phase with Inductor for %s in %.2f s", phase, shapes, time.perf_counter() - t0)
+        return present, compiled, tensors + list(values) if general else tensors
+
+    def _serves(self, values: tuple[int, ...]) -> bool:
+        """Whether ``values`` of the symbols meet what the code compiled for every size assumes."""
+        assert self.sizes is not None
+        try:
+            return all(self.sizes.at(guard, values) for guard in self._guards)
+        except ValueError:  # a condition on a symbol the call does not bind
+            return False
+
+    def _laid_out_as_captured(self, inputs: list, present: tuple, values: tuple) -> bool:
+        """Whether each present input of symbolic shape has the shape and strides of its captured
+        tensor at ``values`` of the symbols."""
+        assert self.sizes is not None
+        if self._layouts is None:
+            self._layouts = _symbolic_layouts(self.gm)
+        for i in present:
+            if i in self._layouts:
+                shape, stride = self._layouts[i]
+                x = inputs[i]
+                if tuple(x.shape) != self.sizes.at(shape, values) or x.stride() != self.sizes.at(stride, values):
+                    return False
+        return True
 
 
-def _compile(gm: fx.GraphModule, inputs: list, present: tuple[int, ...], backward: bool):
-    """``gm`` compiled for the inputs at ``present`` (the others ``None``)."""
+def _symbolic_layouts(gm: fx.GraphModule) -> dict[int, tuple[tuple, tuple]]:
+    """The captured shape and strides of each input of ``gm`` whose shape is symbolic, by position."""
+    out = {}
+    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        captured = n.meta.get("captured")
+        if isinstance(captured, torch.Tensor) and any(map(symbolic, (*captured.shape, *captured.stride()))):
+            out[i] = (tuple(captured.shape), tuple(captured.stride()))
+    return out
+
+
+def _compile(
+    gm: fx.GraphModule, inputs: list, present: tuple, backward: bool, sizes: Sizes | None, values: tuple, symbolic: bool
+):
+    """``gm`` compiled for the inputs at ``present`` (the others ``None``). A graph with ``sizes``
+    takes them last: ``symbolic``, traced from the captured tensors for every value of the symbols
+    (which the code takes last), else for the shapes of ``inputs`` at ``values`` of the symbols."""
     count = len(inputs)
 
-    def phase(*tensors):
+    def phase(*args):
+        tensors, symbols = args[: len(present)], args[len(present) :]
         full: list[Any] = [None] * count
         for i, t in zip(present, tensors):
             full[i] = t
-        return gm(*full)
+        if sizes is None:
+            return gm(*full)
+        if not symbolic:
+            return gm(*full, sizes.evaluate(values))
+        env = dict(zip(sizes.symbols, symbols))
+        return gm(*full, tuple(sympy_interp(PythonReferenceAnalysis, env, e) for e in sizes.exprs))
 
     with torch.no_grad(), inductor_config.patch(reorder_for_peak_memory=False, fallback_random=True):
         trace = make_fx(phase, decomposition_table=select_decomp_table(), tracing_mode="fake")
-        traced = trace(*[inputs[i] for i in present])
+        if symbolic:
+            assert sizes is not None
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            fakes = [placeholders[i].meta.get("captured") for i in present]
+            mode = next(f.fake_mode for f in fakes if isinstance(f, FakeTensor))
+            fakes = [mode.from_tensor(inputs[i]) if f is None else f for i, f in zip(present, fakes)]
+            symbols = [sizes.shape_env.create_symintnode(s, hint=b) for s, b in zip(sizes.symbols, sizes.bound)]
+            traced = trace(*fakes, *symbols)
+        else:
+            traced = trace(*[inputs[i] for i in present])
         examples = [n.meta["val"] for n in traced.graph.nodes if n.op == "placeholder"]
         return compile_fx_inner(traced, examples, is_backward=backward)

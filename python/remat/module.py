@@ -35,7 +35,6 @@ from .boundary import (
 )
 from .capture import flatten_inputs, unflatten_inputs
 from .errors import (
-    ArgumentError,
     CaptureError,
     DeviceMismatch,
     InfeasibleBudget,
@@ -97,8 +96,8 @@ class Remat(nn.Module):
             dynamic dimensions and their bounds: ``{"input_ids": {1: 512}}`` (keyword arguments
             by name, positional ones by index; a bound of ``None`` is the sample's size), the
             other dimensions static; the sample is repeated along a dimension up to a larger
-            bound to profile the plan there. By default ``True``, and ``False`` with
-            ``compile``, whose phases are compiled for one shape.
+            bound to profile the plan there. By default ``True``. With ``compile``, Inductor
+            compiles each phase once for every size, and the bound's plan serves every call.
 
     A plan belongs to an input signature (the ranks, dtypes and devices of the tensors, the other
     arguments; with ``dynamic=False`` the shapes too), an autocast state (``torch.autocast``:
@@ -142,12 +141,6 @@ class Remat(nn.Module):
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
         if isinstance(dynamic, Mapping):
             dynamic_dims(*_as_call(sample), dynamic, check=True)
-        if compile and dynamic:
-            raise ArgumentError(
-                "compile=True compiles each plan's phases for one input shape, and dynamic=True asks for one plan "
-                "for every shape up to the sample's: pass dynamic=False (a plan and a compilation per shape) or "
-                "compile=False (one eager plan for every shape)"
-            )
         check_budget(budget)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -158,7 +151,7 @@ class Remat(nn.Module):
         self._budget_arg = budget
         self._options = _Options(solver, time_limit, mip_gap, slots, compile)
         self.max_plans = max_plans
-        self.dynamic = not compile if dynamic is None else dynamic
+        self.dynamic = True if dynamic is None else dynamic
         self.plan_dir = plan_dir
         self.measure_loss = measure_loss
         # Whether the step's loss runs between this module's forward and backward where no step
@@ -254,11 +247,11 @@ class Remat(nn.Module):
         _check_device(self.model, args, kwargs)
         t0 = time.perf_counter()
         budget, options, provisional = self._budget_arg, self._options, False
-        inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
         measure = _Measure()
         measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
             base, args, kwargs = self._captured(args, kwargs)
+            inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
             file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)

@@ -38,6 +38,10 @@ class Sizes:
     exprs: list[sympy.Expr] = field(default_factory=list)  # what ``evaluate`` returns, in order
     _index: dict[sympy.Expr, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for s in self.symbols:  # ``evaluate`` starts with the symbols' values
+            self.index(s)
+
     def values_of(self, tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
         """The symbols' values in a call with the flat input ``tensors``; ``None`` where the
         call breaks a guard (another rank, a static size changed, a size of 0 or 1, sizes traced
