@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -123,12 +124,53 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     assert first.held_bytes + second.schedule["predicted"]["peak_bytes"] <= info.value.min_budget
 
 
-def test_symbolic_sizes_are_refused_with_the_fix():
+def test_symbolic_sizes_plan_once_for_every_length(caplog: pytest.LogCaptureFixture):
+    """``dynamic=True``: the graph takes its sizes as inputs and plans for every length up to the
+    first call's, compiled once by Inductor; later steps at other lengths plan and compile nothing,
+    give eager gradients and keep the byte budget."""
     torch._dynamo.reset()
-    model, x = Broken(layers=1), torch.randn(4, 8, 64)
-    compiled = torch.compile(model, backend=remat.backend(0.5), dynamic=True)
-    with pytest.raises(remat.CaptureError, match="dynamic=False"):
-        _step(compiled, x)
+    torch.manual_seed(0)
+    model, reference = nn.Sequential(Half(64, 4), nn.Linear(64, 10)), nn.Sequential(Half(64, 4), nn.Linear(64, 10))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 32, 64)
+    plain = remat.testing.measure_step(lambda: _step(model, x), [*model.parameters(), x]).peak_bytes
+    budget = int(0.6 * plain)
+    backend = remat.backend(budget)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for step, length in enumerate((32, 32, 20, 32, 7)):
+        y = torch.randn(8, length, 64)
+        with caplog.at_level(logging.INFO, logger="remat"):
+            for m, runner in ((model, compiled), (reference, reference)):
+                m.zero_grad(set_to_none=True)
+                _step(runner, y)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            if step < 2:
+                caplog.clear()  # the first steps plan and compile
+                continue
+            model.zero_grad(set_to_none=True)
+            assert remat.testing.measure_step(lambda: _step(compiled, y), [*model.parameters(), y]).peak_bytes <= budget
+            assert not [m for m in caplog.messages if m.startswith(("planned", "compiled"))], length
+    assert len(backend.graphs) == 1 and backend.graphs[0].sized is not None
+
+
+def test_graph_breaks_at_a_new_shape_start_a_new_step():
+    """Dynamo's graphs for a new shape are new graphs: once the step's graphs have run their
+    backward, the first of them starts a new step (it does not count the old graphs' bytes as held)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Broken(layers=2)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 32, 64)
+    budget = int(0.9 * remat.testing.measure_step(lambda: _step(model, x), [*model.parameters(), x]).peak_bytes)
+    compiled = torch.compile(model, backend=remat.backend(budget, compile=False), dynamic=False)
+    for length in (32, 32, 20, 20):
+        y = torch.randn(8, length, 64)
+        for m, runner in ((model, compiled), (reference, reference)):
+            m.zero_grad(set_to_none=True)
+            _step(runner, y)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 _MEASURE = """

@@ -8,6 +8,11 @@ backward are released from then on), and a budget without that room raises ``Inf
 from the second step on (the first plan makes the room as small as the budget needs, as it does
 not know those outputs yet).
 
+A graph of symbolic sizes (``torch.compile(..., dynamic=True)``, or the graph Dynamo compiles
+again once a size changes) takes its sizes as inputs besides its tensors: its ``Remat`` reads
+each from a tensor's dimension of the same symbol, and plans for every size up to the first
+call's (``Remat``'s ``dynamic``), compiled once through Inductor; a larger call plans once more.
+
 With graph breaks a step runs several graphs, one after the other, and each holds its outputs
 and saved activations until its backward. A graph's share of a budget in bytes is the budget
 less what the graphs before it in the step hold (``Remat.held_bytes``), less the smallest
@@ -25,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InfeasibleBudget
 from .module import Remat, Solver, check_budget
@@ -40,7 +47,7 @@ def backend(
     compile: bool = True,
     plan_dir: str | None = None,
 ) -> Backend:
-    """A backend for ``torch.compile(model, backend=remat.backend(budget))``, with ``dynamic=False``.
+    """A backend for ``torch.compile(model, backend=remat.backend(budget))``.
 
     ``budget``: bytes for the whole step (shared by the graphs of a step with graph breaks), or a
     fraction in (0, 1] of each graph's plain activation peak. The other arguments are
@@ -63,25 +70,23 @@ class Backend:
         self._last: list[Graph] | None = None  # those of the step before
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
-        symbolic = [type(x).__name__ for x in example_inputs if isinstance(x, (torch.SymInt, torch.SymFloat))]
-        if symbolic:
-            error = CaptureError(
-                f"remat plans for static shapes, and Dynamo passed symbolic sizes ({', '.join(symbolic)}): "
-                "use torch.compile(model, backend=remat.backend(...), dynamic=False), which compiles a graph "
-                "per input shape"
-            )
+        try:
+            graph = Graph(self, gm, _sizes_from_tensors(gm, example_inputs))
+        except CaptureError as exc:
+            error = exc
 
             def refuse(*args: Any) -> Any:  # raised at the call: Dynamo wraps what a backend raises
                 raise error
 
             return refuse
-        graph = Graph(self, gm)
         self.graphs.append(graph)
         return graph
 
     def share(self, graph: Graph) -> int | float | None:
         """The budget of ``graph`` for this step's call (see the module's docstring)."""
-        if graph in self._step:  # a new step
+        # A new step: the graph ran in this one already, or every graph of it has run its backward
+        # (after a new input shape, Dynamo's graphs for it are new)
+        if graph in self._step or (self._step and not any(g.holding for g in self._step)):
             self._last, self._step = self._step, []
         self._step.append(graph)
         if not isinstance(self.budget, int):
@@ -92,14 +97,66 @@ class Backend:
         return max(self.budget - before - sum(g.smallest for g in after), 0)
 
 
-class Graph:
-    """One captured graph: plain without grad, otherwise run by a ``Remat`` planned for its share."""
+def _sizes_from_tensors(gm: fx.GraphModule, example_inputs: list) -> _SizesFromTensors | None:
+    """With symbolic sizes (``torch.compile(..., dynamic=True)``, or Dynamo's automatic dynamic
+    shapes), ``gm`` with each size input read from a tensor input's dimension of that symbol;
+    ``None`` without symbolic sizes. ``CaptureError`` where a size is no tensor input's dimension."""
+    sized = [i for i, x in enumerate(example_inputs) if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    if not sized:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("example_value") for n in placeholders]
+    tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+    dims = {}
+    for j, i in enumerate(tensors):
+        if isinstance(vals[i], torch.Tensor):
+            for d, n in enumerate(vals[i].shape):
+                if isinstance(n, torch.SymInt):
+                    dims.setdefault(n.node.expr, (j, d))
+    reads: list[tuple[int, int] | int] = []
+    for i, x in enumerate(example_inputs):
+        if i in sized:
+            found = dims.get(vals[i].node.expr) if isinstance(vals[i], torch.SymInt) else None
+            if found is None:
+                raise CaptureError(
+                    f"Dynamo passed the symbolic size {vals[i]} ({type(x).__name__}), which is no tensor input's "
+                    "dimension, and remat plans for sizes it reads from its tensors: use "
+                    "torch.compile(model, backend=remat.backend(...), dynamic=False), which compiles a graph per "
+                    "input shape"
+                )
+            reads.append(found)
+        else:
+            reads.append(tensors.index(i))
+    dynamic = {}
+    for j, d in dims.values():
+        dynamic.setdefault(j, {})[d] = None
+    return _SizesFromTensors(gm, reads, dynamic)
 
-    def __init__(self, owner: Backend, gm: fx.GraphModule) -> None:
+
+class _SizesFromTensors(nn.Module):
+    """A graph whose size inputs are read from its tensor inputs, called with the tensors alone."""
+
+    def __init__(self, gm: fx.GraphModule, reads: list[tuple[int, int] | int], dynamic: dict) -> None:
+        super().__init__()
+        self.gm = gm
+        self.reads = reads  # per input of ``gm``: a tensor's position, or (tensor, dimension) for a size
+        self.dynamic = dynamic  # ``Remat``'s ``dynamic``: each symbolic dimension, by the tensor's position
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        return self.gm(*(tensors[r] if isinstance(r, int) else tensors[r[0]].shape[r[1]] for r in self.reads))
+
+
+class Graph:
+    """One captured graph: plain without grad, otherwise run by a ``Remat`` planned for its share
+    (of ``sized``, the graph that reads its sizes from its tensors, where it has symbolic sizes)."""
+
+    def __init__(self, owner: Backend, gm: fx.GraphModule, sized: _SizesFromTensors | None = None) -> None:
         self.owner = owner
         self.gm = gm
+        self.sized = sized
         self.remat: Remat | None = None
         self._asked: int | float | None = None  # the share last planned for
+        self.holding = False  # whether its last call's backward is still to run
 
     @property
     def smallest(self) -> int:
@@ -125,20 +182,45 @@ class Graph:
         elif share != self._asked:
             self._replan(share)
         try:
-            return self.remat(*args)  # plans again where the first step told the outputs' gradients
+            out = self.remat(*self._inputs(args))  # plans again where the first step told the outputs' gradients
         except InfeasibleBudget as exc:
             raise self._infeasible(exc) from None
+        self._hold_until_backward(out)
+        return out
+
+    def _hold_until_backward(self, out: Any) -> None:
+        """Marks the graph as holding its activations until the backward of its outputs runs."""
+        node = next((t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn), None)
+        self.holding = node is not None
+        if node is not None:
+
+            def release(*_: Any) -> None:
+                self.holding = False
+
+            node.register_hook(release)
 
     def _plan(self, args: tuple, share: int | float | None) -> None:
         o = self.owner
 
         def plan(budget: int | float | None) -> None:
-            # Dynamo recompiles per shape (dynamic=False), so each graph's plan is for one shape
+            # A graph of static shapes (Dynamo compiles one per shape) is planned for them; one of
+            # symbolic sizes, for every size up to this call's (a larger call plans once more)
+            model, dynamic = (self.gm, False) if self.sized is None else (self.sized, self.sized.dynamic)
             self.remat = Remat(
-                self.gm, args, budget, plan_dir=o._plan_dir, measure_loss=False, dynamic=False, **o._options
+                model,
+                self._inputs(args),
+                budget,
+                plan_dir=o._plan_dir,
+                measure_loss=False,
+                dynamic=dynamic,
+                **o._options,
             )
 
         self._fit(share, plan)
+
+    def _inputs(self, args: tuple) -> tuple:
+        """The call's inputs as the plan takes them: the tensors alone where sizes are read from them."""
+        return args if self.sized is None else tuple(a for a in args if isinstance(a, torch.Tensor))
 
     def _replan(self, share: int | float | None) -> None:
         assert self.remat is not None

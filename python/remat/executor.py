@@ -79,6 +79,16 @@ def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False
     return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads, sized)
 
 
+def held_bytes(g: JointGraph, phases: Phases) -> int:
+    """Predicted activation bytes alive between the phases: the outputs and what the backward reads."""
+    roots = set()
+    for v in (*phases.forward_outputs, *phases.saved):
+        while g.values[v].alias_of is not None:
+            v = g.values[v].alias_of
+        roots.add(v)
+    return sum(g.values[v].bytes for v in roots if g.values[v].kind == "activation")
+
+
 def _alive_after(g: JointGraph, ops: list[dict]) -> set[int]:
     alive: set[int] = set()
     for op in ops:

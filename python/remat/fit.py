@@ -9,7 +9,8 @@ meanwhile and the output gradients through the backward (as autograd holds them)
 step peak is the largest of the forward phase's measured peak, the predicted bytes at the
 forward's end (the outputs, what the backward reads, and the loss's room), the predicted peak of
 the loss (the user's loss does not run here: the loss room's op, with the loss's temporaries) and
-the predicted bytes at the backward's start plus the backward phase's measured peak.
+the predicted bytes at the backward's start plus the backward phase's measured peak, each
+raised by what the forward's outputs hold beyond their predicted bytes.
 ``Remat`` holds a compiled plan to this, and plans again for less where the measurement goes over
 and for more where it leaves room (``module._fitted``).
 """
@@ -26,7 +27,7 @@ from torch import nn
 from . import _core
 from .amp import no_autocast
 from .boundary import loss_room
-from .executor import Phases
+from .executor import Phases, held_bytes
 from .graph import JointGraph
 from .memory import Allocations, peak, storage_ptrs
 from .trace import graph_inputs, sample_tangents
@@ -67,6 +68,15 @@ def measured_peak(
         n_out = len(phases.forward_outputs)
         kinds = dict(g.outputs)
         held = [t for v, t in zip(phases.forward_outputs, result) if kinds[v] == "forward"]  # the caller's
+        # Inductor's code may hand over a copy where the plan hands over a view: what the forward's
+        # outputs hold beyond the prediction is held until the backward
+        inputs_held = {x.untyped_storage().data_ptr() for x in inputs.values()}
+        handed = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in result
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs_held
+        }
+        excess = max(sum(handed.values()) - held_bytes(g, phases), 0)
         saved = list(result[n_out:])
         del result
         tangents = sample_tangents(g, no_grad)
@@ -79,7 +89,11 @@ def measured_peak(
         ptrs = storage_ptrs(grads)
         del grads, held, given
         backward = peak(record.deltas, record.alive_at(ptrs))
-    ends = (predicted["forward_end_bytes"], _loss_peak(g, schedule), predicted["backward_start_bytes"] + backward)
+    ends = (
+        predicted["forward_end_bytes"] + excess,
+        _loss_peak(g, schedule) + excess,
+        predicted["backward_start_bytes"] + excess + backward,
+    )
     return max(forward, *ends)
 
 

@@ -42,7 +42,7 @@ from .errors import (
     PlanFileError,
     RematError,
 )
-from .executor import Phases, build_phases, device_of
+from .executor import Phases, build_phases, device_of, held_bytes
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
 from .graphs import Graphs, JointStage
@@ -790,13 +790,7 @@ class _Plan:
 
     def held_bytes(self) -> int:
         """Activation bytes alive between the phases: the outputs and what the backward reads."""
-        g = self.graph
-        roots = set()
-        for v in (*self.phases.forward_outputs, *self.phases.saved):
-            while g.values[v].alias_of is not None:
-                v = g.values[v].alias_of
-            roots.add(v)
-        return sum(g.values[v].bytes for v in roots if g.values[v].kind == "activation")
+        return held_bytes(self.graph, self.phases)
 
     @functools.cached_property
     def marked_phases(self) -> Phases:
