@@ -11,6 +11,7 @@ later step (which should be none).
     .venv/bin/python benches/dynamic_lengths.py                       # GPT-2 4L, loss inside
     .venv/bin/python benches/dynamic_lengths.py --model llama --loss outside
     .venv/bin/python benches/dynamic_lengths.py --steps 20 --buckets 2  # a quick look
+    .venv/bin/python benches/dynamic_lengths.py --compile             # phases through Inductor
     python benches/dynamic_lengths.py --device cuda                   # on a GPU
 """
 
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, default=4)
     parser.add_argument("--budget", type=float, default=0.45, help="a fraction of plain PyTorch's peak at the longest")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true", help="Remat(..., compile=True): phases through Inductor")
     args = parser.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -111,7 +113,7 @@ def main() -> None:
     log.addHandler(planning)
     log.setLevel(logging.INFO)
     t0 = time.perf_counter()
-    rm = remat.Remat(model, call(longest), budget)
+    rm = remat.Remat(model, call(longest), budget, compile=args.compile)
     ready = time.perf_counter() - t0
 
     lengths = [rng.randint(args.shortest, args.longest) for _ in range(args.steps)]
@@ -129,7 +131,7 @@ def main() -> None:
     print(
         f"{args.model}, loss {args.loss}, batch {args.batch}, {args.steps} steps of lengths in "
         f"[{args.shortest}, {args.longest}], budget {budget / 2**20:.2f} MiB "
-        f"({args.budget:.0%} of plain's peak at {args.longest}), {args.device}"
+        f"({args.budget:.0%} of plain's peak at {args.longest}), {args.device}{', compiled' if args.compile else ''}"
     )
     print(
         f"planning: Remat(...) {ready:.2f} s; first step {planning.seconds.get(0, 0.0):.2f} s; "
@@ -148,8 +150,9 @@ def main() -> None:
         n = max(seen)
         tokens = batch(n)
         plain_peak, remat_peak = peak(model, tokens), peak(rm, tokens)
-        ahead = remat.Remat(model, call(tokens), budget, dynamic=False)
+        ahead = remat.Remat(model, call(tokens), budget, dynamic=False, compile=args.compile)
         step(ahead, tokens)  # measures the loss and plans for it
+        step(ahead, tokens)  # compiled: compiles the plan for the measured loss
         pairs = [(timed(rm, tokens), timed(ahead, tokens)) for _ in range(5)]
         ours, theirs = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
         plain_t, remat_t = statistics.median(times["plain"][b]), statistics.median(times["remat"][b])

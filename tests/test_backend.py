@@ -88,7 +88,7 @@ def test_graph_breaks_share_a_byte_budget():
     model, x = Broken(), torch.randn(64, 32, 64)
     plain = remat.testing.measure_step(lambda: _step(model, x), [*model.parameters(), x]).peak_bytes
     budget = plain // 2
-    backend = remat.backend(budget, compile=False)
+    backend = remat.backend(budget, compile=False, time_limit=5)
     _compare(model, torch.compile(model, backend=backend, dynamic=False), x, steps=3)
     first, second = (g.remat for g in backend.graphs)
     assert first.budget == budget - second._min_budget_estimated(loss=True)  # the last graph keeps room for the loss
@@ -102,7 +102,7 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = Broken(), torch.randn(64, 32, 64)
-    backend = remat.backend(2**20, compile=False)
+    backend = remat.backend(2**20, compile=False, time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     with pytest.warns(UserWarning, match="may exceed the budget"):
         _step(compiled, x)
@@ -111,7 +111,7 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     first, second = (g.remat for g in backend.graphs)
     assert first.min_budget_without_loss + second.min_budget_without_loss < info.value.min_budget
     torch._dynamo.reset()
-    backend = remat.backend(info.value.min_budget, compile=False)
+    backend = remat.backend(info.value.min_budget, compile=False, time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -189,7 +189,7 @@ rows = []
 for fraction in {fractions}:
     torch._dynamo.reset()
     budget = int(fraction * (plain - grads))
-    compiled = torch.compile(model, backend=remat.backend(budget), dynamic=False)
+    compiled = torch.compile(model, backend=remat.backend(budget, time_limit=5), dynamic=False)
     for _ in range(3):  # compiles; plans each graph for its share
         model.zero_grad(set_to_none=True)
         _step(compiled, x)

@@ -69,7 +69,7 @@ rows = []
 for budget in {budgets}:
     row = [grads]
     for compile in (True, False):
-        rm = remat.Remat(model, tokens, budget, compile=compile)
+        rm = remat.Remat(model, tokens, budget, compile=compile, time_limit=5)
         def step():
             model.zero_grad(set_to_none=True)
             rm(tokens).logits.pow(2).mean().backward()
