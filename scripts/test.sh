@@ -14,6 +14,6 @@ echo "== ruff"
 ruff check python tests examples
 ruff format --check python tests examples
 echo "== pytest ($(python -c 'import torch; print("torch", torch.__version__)'))"
-python -m pytest -q "$@"
+python -m pytest -q -n 2 --dist loadfile "$@"  # two workers, a test file each (module fixtures run once)
 echo "== the wheel, installed with the oldest supported torch"
 bash scripts/wheel-test.sh "$@"
