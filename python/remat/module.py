@@ -115,9 +115,7 @@ class Remat(nn.Module):
     the plan holds room for a loss of a few tensors of the outputs' size. ``set_budget`` plans
     again for another budget without profiling again.
 
-    In eval mode or under ``torch.no_grad()`` the plain model runs, and so it does in training
-    once the loss is measured where plain PyTorch's step fits the budget at the call's sizes
-    (eager plans; a compiled plain plan runs its compiled phases).
+    In eval mode or under ``torch.no_grad()`` the plain model runs.
     """
 
     def __init__(
@@ -438,11 +436,7 @@ class Remat(nn.Module):
         elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
             # no step measured the loss: the compiled plan keeps room for its estimate
             planned.adopt(_first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
-        plan = planned.plan.at(values)
-        plain = plan.plain and self._budget_arg is not None and planned.measure.done
-        if plain and not self._options.compile and not self._marking:
-            return self.model(*args, **kwargs)  # plain PyTorch fits the budget (at this size): at its speed
-        return plan.run(self.model, args, kwargs, values, marked=self._marking)
+        return planned.plan.at(values).run(self.model, args, kwargs, values, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
         """Plan again, once, for the loss estimated over the outputs the first step differentiated,
@@ -784,11 +778,6 @@ class _Plan:
             if fits and plan.schedule["predicted"]["time"] < best.schedule["predicted"]["time"]:
                 best = plan
         return best
-
-    @property
-    def plain(self) -> bool:
-        """Whether the plan is plain PyTorch's: its budget holds the plain step's peak."""
-        return self.budget >= self.plain_peak
 
     @functools.cached_property
     def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
