@@ -24,6 +24,7 @@ from .graph import IN_PLACE, JointGraph
 from .inductor import CompiledPhase
 from .layout import in_layout
 from .memory import Allocations
+from .profile import value_meta
 from .rng import run_with_rng_state, save_rng_state
 from .sizes import map_sizes, symbolic
 
@@ -134,7 +135,7 @@ def _emit(
     if compiled:
         for vid in inputs:
             env[vid] = graph.placeholder(_clean(g.values[vid].name))
-            env[vid].meta["captured"] = _captured_val(g, vid)
+            env[vid].meta["captured"] = value_meta(g, g.values[vid])
         for nid in rng_inputs:
             states[nid] = graph.placeholder(f"rng_state_{nid}")
         if g.sizes is not None:
@@ -201,15 +202,6 @@ def _emit(
     graph.output((*[env[v] for v in outputs], *[states[n] for n in rng_outputs]))
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _captured_val(g: JointGraph, vid: int) -> Any:
-    """The value's tensor as captured: fake, with the graph's symbolic sizes."""
-    v = g.values[vid]
-    if v.source.op == "get_attr":
-        return getattr(g.captured.gm, v.source.target)
-    val = v.source.meta.get("val")
-    return val if v.index is None else val[v.index]
 
 
 def _mark(name: str) -> None:

@@ -74,13 +74,13 @@ class CompiledPhase:
         self._guards: list = []  # sympy conditions on the symbols that the code compiled for every size assumes
 
     def __call__(self, inputs: list) -> tuple:
-        present, compiled, args = self.compile_for(inputs)
+        compiled, args = self.compile_for(inputs)
         inputs.clear()
         return compiled(args)
 
-    def compile_for(self, inputs: list) -> tuple[tuple[int, ...], Any, list]:
-        """The positions of the inputs that are not ``None``, the code compiled for them (now if
-        this is their first call) and the arguments that code takes (``inputs`` untouched)."""
+    def compile_for(self, inputs: list) -> tuple[Any, list]:
+        """The code compiled for the inputs that are not ``None`` (now if this is their first
+        call) and the arguments that code takes (``inputs`` untouched)."""
         values: tuple[int, ...] = ()
         if self.sizes is not None:
             values = tuple(inputs[-1][: len(self.sizes.symbols)])
@@ -103,7 +103,7 @@ class CompiledPhase:
             phase = "backward" if self.backward else "forward"
             shapes = "every size" if general else "one shape"
             log.info("compiled the %s phase with Inductor for %s in %.2f s", phase, shapes, time.perf_counter() - t0)
-        return present, compiled, tensors + list(values) if general else tensors
+        return compiled, (tensors + list(values) if general else tensors)
 
     def _serves(self, values: tuple[int, ...]) -> bool:
         """Whether ``values`` of the symbols meet what the code compiled for every size assumes."""
