@@ -48,17 +48,22 @@ def build(name: str) -> torch.nn.Module:
 
 
 class Planning(logging.Handler):
-    """Seconds of each ``planned ... in X s`` line remat logs, by the step that logged it."""
+    """Seconds of each ``planned ... in X s`` line remat logs (and of measuring plain PyTorch's
+    step), by the step that logged it, and where the model runs itself."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.step = -1  # -1: Remat(...)
         self.seconds: dict[int, float] = {}
+        self.plain = "not measured"
 
     def emit(self, record: logging.LogRecord) -> None:
-        found = re.search(r"^(planned|a call beyond).* in ([\d.]+) s$", record.getMessage())
+        found = re.search(r"^(planned|a call beyond|measured plain).* in ([\d.]+) s$", record.getMessage())
         if found:
             self.seconds[self.step] = self.seconds.get(self.step, 0.0) + float(found.group(2))
+        runs = re.search(r"^measured plain PyTorch's step \(the model runs itself (.*)\) in", record.getMessage())
+        if runs and self.step >= -1:
+            self.plain = runs.group(1)
 
 
 def main() -> None:
@@ -137,6 +142,7 @@ def main() -> None:
         f"planning: Remat(...) {ready:.2f} s; first step {planning.seconds.get(0, 0.0):.2f} s; "
         f"later steps {sum(later.values()):.2f} s in {len(later)} steps; plans kept: {len(rm._plans)}"
     )
+    print(f"the model runs itself (its own step measured within the budget): {planning.plain}")
     print()
     print(
         "| lengths | steps | plain step | remat step | remat / plain | longest | plain peak | remat peak "

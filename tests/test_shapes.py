@@ -84,9 +84,10 @@ def test_one_plan_serves_every_length_within_the_bound(inside: bool, caplog: pyt
     assert _planned(caplog) == [] and len(rm._plans) == 1
 
 
-def test_short_calls_run_plans_for_their_size() -> None:
+def test_short_calls_run_plans_for_their_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below the bound a call runs a plan made for a smaller size, which recomputes less; where
-    plain PyTorch's step fits the budget, the plan is plain."""
+    plain PyTorch's step is measured to fit the budget, the model itself runs (at its speed),
+    within the budget."""
     model = _gpt2()
     plain = [_peak(model, model, _tokens(n), False) for n in (BOUND, 16)]
     budget = int(0.5 * plain[0])
@@ -94,10 +95,33 @@ def test_short_calls_run_plans_for_their_size() -> None:
     rm = remat.Remat(model, _call(_tokens(BOUND), False), budget)
     _step(model, rm, _tokens(BOUND), False)  # measures the loss and plans for it
     top = rm._plan
-    assert top is not None and top.levels
+    assert top is not None and top.levels and top.fitting
     short = top.at((4, 16))
     assert short is not top and short.schedule["predicted"]["recomputed_time"] == 0
     assert top.schedule["predicted"]["recomputed_time"] > 0
+    runs = []
+    real = remat.module._Plan.run
+    monkeypatch.setattr(remat.module._Plan, "run", lambda plan, *a, **k: runs.append(plan) or real(plan, *a, **k))
+    _same_step(model, rm, model, _tokens(16), exact=True)
+    assert runs == [] and _peak(model, rm, _tokens(16), False) <= budget
+    _same_step(model, rm, model, _tokens(BOUND))
+    assert runs and runs[-1].schedule["predicted"]["recomputed_time"] > 0
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["loss_outside", "loss_inside"])
+def test_the_model_runs_itself_only_where_its_measured_step_fits(inside: bool) -> None:
+    """At budgets around plain PyTorch's measured peak (the graph predicts less than eager
+    autograd holds), every length keeps the budget, measured with the loss, whichever of the
+    model and the plan runs; with room to spare, the model runs itself at every length."""
+    model = _gpt2()
+    plain = _peak(model, model, _tokens(BOUND), inside)
+    for budget in (int(0.95 * plain), plain, int(1.2 * plain)):
+        rm = remat.Remat(model, _call(_tokens(BOUND), inside), budget)
+        _same_step(model, rm, model, _tokens(BOUND), inside)  # measures the loss and plain PyTorch's step
+        for length in (BOUND, 37, 12):
+            assert _peak(model, rm, _tokens(length), inside) <= budget, (budget, length)
+        if budget > plain:
+            assert remat.plain.runs_model(rm._plan.fitting, (4, BOUND)), rm._plan.fitting
 
 
 def test_a_call_beyond_the_bound_plans_once_for_the_new_bound(caplog: pytest.LogCaptureFixture) -> None:

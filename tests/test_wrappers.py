@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from models import mlp
-from remat.boundary import _NewStorages
+from remat.boundary import NewStorages
 from test_loop import VOCAB, _gpt2, _step
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -34,7 +34,7 @@ def test_torch_compile_of_the_wrapper() -> None:
 
 
 def _windows_on_the_stack() -> int:
-    return sum(isinstance(m, _NewStorages) for m in _get_current_dispatch_mode_stack())
+    return sum(isinstance(m, NewStorages) for m in _get_current_dispatch_mode_stack())
 
 
 def test_torch_compile_compiles_after_a_step_that_measured_the_loss() -> None:

@@ -29,3 +29,13 @@ def no_autocast() -> Iterator[None]:
         for d in DEVICE_TYPES:
             stack.enter_context(torch.autocast(d, enabled=False))
         yield
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Autocast as ``state`` (``autocast_state``) while the block runs, and off for the others."""
+    with contextlib.ExitStack() as stack:
+        for d in DEVICE_TYPES:
+            dtype = dict(state).get(d)
+            stack.enter_context(torch.autocast(d, enabled=False) if dtype is None else torch.autocast(d, dtype=dtype))
+        yield

@@ -279,7 +279,7 @@ def copy_profile(src: JointGraph, dst: JointGraph, tangents: bool = True) -> Non
             v.alias_of = None if owner is None else ids[owner]
 
 
-class _NewStorages(TorchDispatchMode):
+class NewStorages(TorchDispatchMode):
     """Follows each storage an op creates (not a view of one of its inputs) until it is released."""
 
     supports_higher_order_operators = True  # a compiled phase's RNG operators run through it too
@@ -339,7 +339,7 @@ class Window:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.outputs: list[weakref.ref] = []
-        self.tracker: _NewStorages | None = None
+        self.tracker: NewStorages | None = None
         self.start_bytes = 0
 
     def open(self) -> bool:
@@ -350,7 +350,7 @@ class Window:
             torch.cuda.synchronize(self.device)
             self.start_bytes = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.tracker = _NewStorages()
+        self.tracker = NewStorages()
         _on_this_thread().append(self)
         above = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
         _push_mode(self.tracker)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _core, levels, tree
+from . import _core, levels, plain, tree
 from .amp import autocast_state
 from .boundary import (
     LOSS_SCALARS,
@@ -115,7 +115,9 @@ class Remat(nn.Module):
     the plan holds room for a loss of a few tensors of the outputs' size. ``set_budget`` plans
     again for another budget without profiling again.
 
-    In eval mode or under ``torch.no_grad()`` the plain model runs.
+    In eval mode or under ``torch.no_grad()`` the plain model runs, and so it does in training at
+    sizes where its own step is measured to keep the budget, the loss included (``remat.plain``;
+    eager plans, once the first step has measured the loss).
     """
 
     def __init__(
@@ -275,7 +277,10 @@ class Remat(nn.Module):
                 else:
                     plan = _first_plan(base, budget, options, inputs)
         shapeless = self._key(args, kwargs, shapes=False)
-        self._current = self._plans[key] = _Planned(base, measure, plan, file, inputs, shapeless=shapeless)
+        sample = _Sample(self.model, args, kwargs, shapeless[1])
+        self._current = self._plans[key] = _Planned(
+            base, measure, plan, file, inputs, shapeless=shapeless, sample=sample
+        )
         self._current.adopt(plan, options, provisional)
         if not options.compile:  # the first step plans for its loss at its end (compiled plans measure steps)
             measure.replan = functools.partial(self._plan_for_measured, self._current)
@@ -436,7 +441,10 @@ class Remat(nn.Module):
         elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
             # no step measured the loss: the compiled plan keeps room for its estimate
             planned.adopt(_first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
-        return planned.plan.at(values).run(self.model, args, kwargs, values, marked=self._marking)
+        plan = planned.plan
+        if plan.fitting and not self._marking and plain.runs_model(plan.fitting, values):
+            return self.model(*args, **kwargs)  # its own step is measured to fit the budget at these sizes
+        return plan.at(values).run(self.model, args, kwargs, values, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
         """Plan again, once, for the loss estimated over the outputs the first step differentiated,
@@ -462,6 +470,7 @@ class Remat(nn.Module):
         measure = planned.measure
         measured, measure.outside = measure.outside, None
         measure.done = measure.measured = True
+        measure.loss_bytes = measured.loss_bytes
         current = planned.plan
         loss_over = measured.loss_bytes - current.outside.loss_bytes
         held_over = measured.held_bytes - current.outside.held_bytes
@@ -524,6 +533,7 @@ class _Planned:
     # An eager plan run until the first step has measured the loss, in place of a compiled one
     provisional: bool = False
     shapeless: tuple = ()  # the key of the calls it may serve, shapes aside (``Remat._key``)
+    sample: _Sample | None = None  # the call it was planned for, at its bound
 
     @property
     def sizes(self) -> Sizes | None:
@@ -546,6 +556,8 @@ class _Planned:
                 plan.levels = _levels(g, plan, options)
         for _, level in plan.levels or ():
             level.measure = self.measure
+        if plan.fitting is None and self.measure.measured and not options.compile and self.sample is not None:
+            plan.fitting = _fitting(plan, self.sample, self.measure.loss_bytes)
         if not self.provisional:
             self.save()
 
@@ -554,6 +566,26 @@ class _Planned:
             levels = tuple((values, plan.schedule) for values, plan in self.plan.levels or ())
             saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule, levels)
             save(self.file.path, self.file.fp, self.base, saved)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """The model and the inputs a plan was made for (grown to its bound), under their autocast state."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+    def at(self, g: JointGraph, values: tuple[int, ...]) -> tuple[tuple, dict]:
+        """The inputs cut to ``values`` of ``g``'s symbolic sizes (each input's leading part)."""
+        if g.sizes is None:
+            return self.args, self.kwargs
+        c = g.captured
+        shapes = {b.target: ph.meta["val"].shape for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
+        tensors, spec, consts = flatten_inputs(self.args, self.kwargs)
+        cut = [_cut(t, g.sizes.at(tuple(shapes[i]), values)) if i in shapes else t for i, t in enumerate(tensors)]
+        return unflatten_inputs(spec, consts, cut)
 
 
 @dataclass(frozen=True)
@@ -581,6 +613,7 @@ class _Measure:
         # those it let go of before its backward (an ``Outside`` without loss bytes).
         self.learned: Outside | None = None
         self.learned_planned = False
+        self.loss_bytes = 0  # the loss room measured (at the bound)
         self.watched: list[weakref.ref] = []  # the outputs of the forward whose backward tells them
         # Plans again for the measured loss at the end of the step that measured it (else the
         # next call does)
@@ -744,6 +777,15 @@ def _grown(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
+def _cut(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s leading part of ``shape`` (its own storage, contiguous)."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    for d, n in enumerate(shape):
+        t = t.narrow(d, 0, min(n, t.shape[d]))
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _describe(key: tuple) -> str:
     """A plan's key in words: its inputs' shapes, dtypes and devices, and its autocast state."""
     signature, autocast, _ = key
@@ -768,6 +810,8 @@ class _Plan:
     measure: _Measure | None = None
     # Plans of the same graph at smaller values of its symbolic sizes, each with those values (``levels``)
     levels: list[tuple[tuple[int, ...], _Plan]] | None = None
+    # Sizes at or below which the model's own step is measured to fit the budget (``plain``)
+    fitting: list[tuple[int, ...]] | None = None
 
     def at(self, values: tuple[int, ...]) -> _Plan:
         """The plan to run for a call with ``values`` of the symbolic sizes: of least predicted
@@ -1022,6 +1066,41 @@ def _levels(
                 break
             above = values
     return out
+
+
+def _fitting(plan: _Plan, sample: _Sample, measured_loss: int) -> list[tuple[int, ...]]:
+    """The sizes at or below which the model's own step keeps ``plan``'s budget (``plain``),
+    measured where its plain plans are: at the bound where ``plan`` is plain, and at its plain
+    levels, or else below them along their symbols. ``measured_loss``: the loss room the first
+    step measured (at the bound), where larger than the plan's."""
+    g = plan.graph
+    bound = () if g.sizes is None else g.sizes.bound
+    points = [(bound, list(range(len(bound))))] if plan.budget >= plan.plain_peak else []
+    for values, level in plan.levels or ():
+        if level.budget >= level.plain_peak:
+            points.append((values, [i for i, (v, b) in enumerate(zip(values, bound)) if v != b]))
+    if not points:
+        return []
+    room = max(plan.outside.loss_bytes, measured_loss)
+    # What the step that measures may hold meanwhile: the outputs the user keeps, and the loss
+    held = output_bytes(g, frozenset(forward_outputs(g)) - plan.outside.released) + plan.outside.held_bytes
+    t0 = time.perf_counter()
+
+    def fits(values: tuple[int, ...]) -> bool:
+        at = room if g.sizes is None else math.ceil(room * levels.loss_ratio(g, values))
+        args, kwargs = sample.at(g, values)
+        cap = plan.budget - max(at, held)
+        peak = plain.step_peak(sample.model, args, kwargs, plan.outside.no_grad, cap, sample.autocast)
+        return peak is not None and peak + at <= plan.budget
+
+    lowest = tuple(max(2, math.ceil(b * levels.SMALLEST)) for b in bound)
+    fitting = plain.fitting_sizes(points, fits, lowest)
+    if g.sizes is None:
+        where = "at its shape" if fitting else "nowhere"
+    else:
+        where = "; ".join(f"up to {g.sizes.describe(v)}" for v in fitting) or "nowhere"
+    log.info("measured plain PyTorch's step (the model runs itself %s) in %.2f s", where, time.perf_counter() - t0)
+    return fitting
 
 
 # A plan whose predicted recomputation takes longer than this many plain steps is warned of.
