@@ -71,14 +71,16 @@ def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(capl
 
 
 def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> None:
-    """GELU's backward reads dropout's output, so a compiled plan under half the plain peak
+    """GELU's backward reads dropout's output, so a compiled plan under 60% of the plain peak
     recomputes it: from the input and the mask the backward keeps, with each dropout drawn once
     (no RNG state held back), and the gradients are plain PyTorch's up to Inductor's rounding.
-    The first dropout reads the input, which has no gradient: its mask is read for the product alone."""
+    The first dropout reads the input, which has no gradient: its mask is read for the product alone.
+    (At half the plain peak, with one thread, the plan found drops two masks and draws those dropouts
+    again, holding their RNG states: a choice of the measured times.)"""
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.2), nn.GELU()) for _ in range(6)]
     model, x = nn.Sequential(nn.Dropout(0.3), *layers).train(), torch.randn(256, 256)
-    rm = remat.Remat(model, x, 0.5, time_limit=5, compile=True)
+    rm = remat.Remat(model, x, 0.6, time_limit=5, compile=True)
     nodes = rm.graph["nodes"]
     masks = {n["outputs"][1] for n in nodes if n["target"] == "aten.native_dropout.default"}
     products = {n["id"] for n in nodes if n["target"] == "aten.mul.Tensor" and masks & set(n["inputs"])}

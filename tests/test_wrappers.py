@@ -1,5 +1,5 @@
 """What users wrap around ``Remat``: ``torch.compile(rm)`` and ``DistributedDataParallel(rm)``
-(2 processes on gloo, CPU) train as the plain model does."""
+(2 processes on gloo, CPU) train as the plain model does, where the model runs itself too."""
 
 from __future__ import annotations
 
@@ -69,10 +69,16 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         rm = torch.nn.parallel.DistributedDataParallel(remat.Remat(model, tokens, 0.5))
         want_loss, want_grads = _step(model, plain, tokens)
         results = []
-        for _ in range(3):
+        for _ in range(3):  # the first measures the loss and plain PyTorch's step (within DDP's backward)
             loss, grads = _step(model, rm, tokens)
             results.append((loss, grads))
-        torch.save({"want": (want_loss, want_grads), "got": results}, f"{out}.{rank}")
+        short = tokens[:, :8]  # where plain PyTorch's step fits, the model runs itself
+        runs_itself = remat.plain.runs_model(rm.module._plan.fitting, (4, 8))
+        want_short, got_short = _step(model, plain, short), _step(model, rm, short)
+        torch.save(
+            {"want": (want_loss, want_grads), "got": results, "short": (want_short, got_short, runs_itself)},
+            f"{out}.{rank}",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -93,4 +99,10 @@ def test_distributed_data_parallel_of_the_wrapper(tmp_path) -> None:
                 torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
     for g0, g1 in zip(ranks[0]["got"][-1][1], ranks[1]["got"][-1][1]):
         torch.testing.assert_close(g0, g1, rtol=0, atol=0)  # all-reduced
+    for r in ranks:
+        (want_loss, want_grads), (loss, grads), runs_itself = r["short"]
+        assert runs_itself
+        torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
+        for g, want in zip(grads, want_grads):
+            torch.testing.assert_close(g, want, rtol=0, atol=0)
     assert not torch.equal(ranks[0]["want"][0], ranks[1]["want"][0])  # the ranks' batches differ

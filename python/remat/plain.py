@@ -9,14 +9,15 @@ not tell.
 
 :func:`step_peak` runs one forward and backward of the model at a call's sizes, the gradients of
 the outputs a loss differentiates made before it (the loss room counts them), under the
-allocators' events (``memory.Allocations``). Its RNG states, buffers and parameter gradients are
-as before after it, and a dispatch mode stops it once the tensors it made exceed what the budget
-leaves, so that measuring keeps the budget too. The model fits at ``v`` where that peak plus the
-measured loss room at ``v`` (what the user's code holds between forward and backward, the
-outputs' gradients included) keeps the budget: at any point of the step, the model holds what
-it holds in the measured run and the loss at most its room. A fit at ``v`` serves every call at
-or below ``v`` in each symbol (the argument of ``levels``: the same ops in the same order, each
-no larger).
+allocators' events (``memory.Allocations``). The parameters are new leaves of their storage
+(``functional_call``), so that the hooks on them (DistributedDataParallel's) do not fire and
+their gradients stay as they are; the RNG states and buffers are restored after it. A dispatch
+mode stops it once the tensors it made exceed what the budget leaves, so that measuring keeps
+the budget too. The model fits at ``v`` where that peak plus the measured loss room at ``v``
+(what the user's code holds between forward and backward, the outputs' gradients included)
+keeps the budget: at any point of the step, the model holds what it holds in the measured run
+and the loss at most its room. A fit at ``v`` serves every call at or below ``v`` in each symbol
+(the argument of ``levels``: the same ops in the same order, each no larger).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from . import tree
 from .amp import autocast_as
@@ -73,19 +75,21 @@ def step_peak(
     than ``cap`` bytes, or fails."""
     if profiler_running() or not any(p.requires_grad for p in model.parameters()):
         return None
-    with _restored(model) as params:
+    with _restored(model) as (params, leaves):
         with Allocations() as record:
             tracker = _Capped(cap)
             try:
                 with tracker:
                     with autocast_as(autocast):
-                        outs = _differentiable(tree.flatten(model(*args, **kwargs))[0], no_grad)
+                        out = functional_call(model, params, args, kwargs)
+                    outs = _differentiable(tree.flatten(out)[0], no_grad)
+                    del out
                     tracker.active = False
                     with Allocations.label("seeds"):
                         seeds = [torch.ones_like(o) for o in outs]
                     tracker.active = not tracker.over
                     if outs:
-                        torch.autograd.backward(outs, seeds, inputs=params)
+                        torch.autograd.backward(outs, seeds, inputs=leaves)
                     del outs, seeds
             except Exception as exc:  # the plan's own schedule runs instead
                 if not tracker.over:
@@ -131,25 +135,22 @@ def _differentiable(outs: list[torch.Tensor], no_grad: frozenset[int]) -> list[t
 
 
 @contextlib.contextmanager
-def _restored(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """The model's trainable parameters, their gradients unset while the block runs (each one
-    dropped as soon as it is accumulated, as the step's own accumulates in place); the RNG
-    states, buffers and gradients as before once it ends, grad mode on meanwhile."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
+def _restored(model: nn.Module) -> Iterator[tuple[dict[str, torch.Tensor], list[torch.Tensor]]]:
+    """The model's parameters as new leaves sharing their storage (for ``functional_call``: the
+    hooks others put on the parameters, such as DistributedDataParallel's, do not fire, and
+    their gradients stay as they are), and those of them to differentiate, whose gradients are
+    dropped as soon as they are accumulated (as the step's own accumulate in place); grad mode on
+    while the block runs, the RNG states and buffers as before once it ends."""
+    params = {name: p.detach().requires_grad_(p.requires_grad) for name, p in model.named_parameters()}
+    leaves = [t for t in params.values() if t.requires_grad]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({t.device for t in params if t.device.type == "cuda"}, key=str)
-    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+    devices = sorted({t.device for t in leaves if t.device.type == "cuda"}, key=str)
+    for t in leaves:
+        t.register_post_accumulate_grad_hook(_drop_grad)
     try:
-        for p in params:
-            p.grad = None
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            yield params
+            yield params, leaves
     finally:
-        for h in hooks:
-            h.remove()
-        for p, grad in zip(params, grads):
-            p.grad = grad
         with torch.no_grad():
             for b, old in buffers:
                 b.copy_(old)
