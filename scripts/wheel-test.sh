@@ -23,7 +23,7 @@ py=.venv-wheel/bin/python
 echo "wheel-test: installing torch $torch_spec and the test tools into .venv-wheel"
 $py -m pip install -q --upgrade pip
 # torch and torchvision in one command, so that pip picks a torchvision built for that torch
-$py -m pip install -q "torch==$torch_spec" torchvision "timm>=1.0" "transformers>=4.50" "graphviz>=0.20" "matplotlib>=3.7" pytest pytest-xdist tqdm
+$py -m pip install -q "torch==$torch_spec" torchvision "timm>=1.0" "transformers>=4.50" "accelerate>=1.0" "lightning>=2.0" "graphviz>=0.20" "matplotlib>=3.7" pytest pytest-xdist tqdm
 $py -m pip install -q --force-reinstall --no-deps "${wheels[0]}"
 
 echo "wheel-test: pytest against the installed wheel ($("$py" -c 'import torch; print("torch", torch.__version__)'))"

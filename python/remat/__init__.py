@@ -6,6 +6,7 @@ from . import testing
 from .backend import Backend, backend
 from .check import GraphCheck, check_graphs
 from .checkpointable import Checkpointable, Sequence
+from .enable import disable, enable, enabled
 from .errors import (
     ArgumentError,
     CaptureError,
@@ -46,6 +47,9 @@ __all__ = [
     "SolverError",
     "backend",
     "check_graphs",
+    "disable",
+    "enable",
+    "enabled",
     "graphs",
     "render",
     "testing",

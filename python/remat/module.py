@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import json
 import logging
 import math
@@ -68,7 +69,8 @@ class Remat(nn.Module):
     Args:
         model: any module ``torch.compile`` can capture without graph breaks.
         sample: the inputs of one call: a tensor, a tuple of positional arguments, or a dict of
-            keyword arguments, planned for now (under the autocast state of this call).
+            keyword arguments, planned for now (under the autocast state of this call); ``None``:
+            the first training call plans, at its sizes.
         budget: bytes (int), a fraction in (0, 1] of plain PyTorch's activation peak (float),
             or ``None`` for no limit. Bytes stay bytes for every plan; a fraction is of each
             plan's own plain peak.
@@ -115,6 +117,11 @@ class Remat(nn.Module):
     the plan holds room for a loss of a few tensors of the outputs' size. ``set_budget`` plans
     again for another budget without profiling again.
 
+    The wrapper's ``forward`` has the model's signature, its state dict the model's keys, and it
+    passes ``PASSED_THROUGH`` (``config``, ``save_pretrained``, ...) through to the model. Loops
+    that save or unwrap models by their type (transformers' Trainer, accelerate) take
+    ``remat.enable(model, budget, sample)``, which keeps the model itself.
+
     In eval mode or under ``torch.no_grad()`` the plain model runs, and so it does in training at
     sizes where its own step is measured to keep the budget, the loss included (``remat.plain``;
     eager plans, once the first step has measured the loss).
@@ -141,12 +148,13 @@ class Remat(nn.Module):
             _core.check_options(solver, time_limit, mip_gap, slots)
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
-        if isinstance(dynamic, Mapping):
+        if isinstance(dynamic, Mapping) and sample is not None:
             dynamic_dims(*_as_call(sample), dynamic, check=True)
         check_budget(budget)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
         self.model = model
+        self.forward = _with_signature(self, model)
         self._register_state_dict_hook(_model_keys)
         self._register_load_state_dict_pre_hook(_wrapper_keys)
         self.solver = solver
@@ -164,8 +172,9 @@ class Remat(nn.Module):
         self._seen: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}  # a call's key -> its plan's, its sizes
         self._current: _Planned | None = None
         self._marking = False  # whether steps run the marked phases (``plot_memory``)
-        _check_device(model, *_as_call(sample))
-        self.plan_for(sample)
+        if sample is not None:
+            _check_device(model, *_as_call(sample))
+            self.plan_for(sample)
 
     def plan_for(self, sample: Any) -> None:
         """Plans now for calls like ``sample`` under the current autocast state (a training call
@@ -423,9 +432,14 @@ class Remat(nn.Module):
         """What the plan holds room for outside the graph: the loss, and outputs without gradient."""
         return None if self._plan is None else self._plan.outside
 
+    def __getattr__(self, name: str) -> Any:
+        if name in PASSED_THROUGH and "model" in self._modules:
+            return getattr(self._modules["model"], name)
+        return super().__getattr__(name)
+
     @torch.compiler.disable  # torch.compile(rm) runs the plan as planned (compile=True: through Inductor)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.solver == "none" or not self.training or not torch.is_grad_enabled():
+        if self.solver == "none" or not self.model.training or not torch.is_grad_enabled():
             return self.model(*args, **kwargs)
         key, planned, values = self._planned_for(args, kwargs)
         self._plans.move_to_end(key)
@@ -496,6 +510,22 @@ class Remat(nn.Module):
             len(measured.released),
             time.perf_counter() - t0,
         )
+
+
+# The model's attributes a ``Remat`` shows as its own: what frameworks read of a transformers
+# model they are handed (``save_pretrained`` saves the model's own files, tied weights included).
+PASSED_THROUGH = frozenset({"config", "generation_config", "main_input_name", "name_or_path", "save_pretrained"})
+
+
+def _with_signature(rm: Remat, model: nn.Module) -> Callable[..., Any]:
+    """``rm.forward`` with the signature of ``model.forward`` (Trainer keeps the data's columns
+    that the model's forward names)."""
+    forward = functools.partial(Remat.forward, rm)
+    try:
+        forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    return forward
 
 
 def graphs(
