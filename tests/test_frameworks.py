@@ -85,6 +85,7 @@ def test_trainer_keeps_the_columns_the_wrapped_model_names(tmp_path) -> None:
     trainer = _trainer(rm, tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=4)
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.state.log_history[0]["loss"] > 0
+    assert "eval_loss" in trainer.evaluate()
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["enabled", "wrapper"])
