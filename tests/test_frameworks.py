@@ -77,7 +77,9 @@ def test_trainer_trains_evaluates_saves_and_resumes_an_enabled_model(tmp_path) -
 
 def test_trainer_keeps_the_columns_the_wrapped_model_names(tmp_path) -> None:
     """Trainer keeps the data's columns that the model's forward names, read off the wrapper's
-    signature (the wrapper's own ``*args, **kwargs`` would drop them all)."""
+    signature (the wrapper's own ``*args, **kwargs`` would drop them all). It reads the label
+    names off the model's class, which is the wrapper's: evaluation computes the loss where
+    ``label_names`` are given (``remat.enable`` keeps the model's class and needs none)."""
     model = _gpt2()
     rm = remat.Remat(model, _sample(), 0.5)
     assert inspect.signature(rm.forward) == inspect.signature(model.forward)
@@ -85,6 +87,8 @@ def test_trainer_keeps_the_columns_the_wrapped_model_names(tmp_path) -> None:
     trainer = _trainer(rm, tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=4)
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.state.log_history[0]["loss"] > 0
+    assert "eval_loss" not in trainer.evaluate()
+    trainer = _trainer(rm, tmp_path, max_steps=2, save_strategy="no", label_names=["labels"])
     assert "eval_loss" in trainer.evaluate()
 
 
