@@ -81,6 +81,8 @@ def test_blocks_of_a_class_share_a_color_and_a_plan_marks_its_recomputations(tmp
         )
         assert storages and all(s.split(":")[0].isdigit() for s in storages)
     assert "anonymized form: " in str(g.classes)
+    keys = "".join(c["key"] for c in g.classes.classes)  # the loss room by its name, not its address
+    assert "remat.boundary.loss_room" in keys and " at 0x" not in keys
     assert "recomputing" in str(g.schedule) and " 0 recomputations" not in str(g.schedule)
     assert "penwidth=3" in g.schedule.dot()
 

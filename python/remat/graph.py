@@ -82,7 +82,7 @@ class JointGraph:
                 {
                     "id": n.id,
                     "name": n.fx_node.name,
-                    "target": str(n.fx_node.target),
+                    "target": target_name(n.fx_node.target),
                     "phase": n.phase,
                     "inputs": n.inputs,
                     "outputs": n.outputs,
@@ -224,3 +224,12 @@ def _backward_nodes(captured: Captured, fx_nodes: list[fx.Node]) -> set[fx.Node]
         if n.meta.get("partitioner_tag") == "is_backward" or any(a in tangents or a in backward for a in args):
             backward.add(n)
     return backward
+
+
+def target_name(target: Any) -> str:
+    """An FX node's target as text: ``aten.mm.default`` for an ATen op, a Python function by its
+    module and name (``remat.boundary.loss_room``), not by its address."""
+    text = str(target)
+    if " at 0x" in text and hasattr(target, "__qualname__"):
+        return f"{target.__module__}.{target.__qualname__}"
+    return text
