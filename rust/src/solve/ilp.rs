@@ -22,6 +22,11 @@ use good_lp::{
 };
 use std::collections::HashMap;
 
+/// What good_lp's HiGHS backend reports, as `ResolutionError::Other`, where a limit (time, nodes)
+/// was reached before any feasible solution: its only way to say so (good_lp 1.15), so no
+/// solution, as for an infeasible model.
+const NO_SOLUTION_FOUND: &str = "NoSolutionFound";
+
 /// A solved plan and how the solver ended.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IlpSolution {
@@ -345,7 +350,7 @@ impl<'a> Model<'a> {
         let problem = self.rows.into_iter().fold(problem, |p, row| p.with(row));
         let solution = match problem.solve() {
             Ok(solution) => solution,
-            Err(ResolutionError::Infeasible) | Err(ResolutionError::Other("NoSolutionFound")) => {
+            Err(ResolutionError::Infeasible) | Err(ResolutionError::Other(NO_SOLUTION_FOUND)) => {
                 return Ok(None)
             }
             Err(e) => return Err(Error::Solver(format!("HiGHS: {e}"))),

@@ -54,7 +54,7 @@ impl Solver {
 pub struct PlanOptions {
     pub solver: Solver,
     /// Seconds an ILP may run (Checkmate's whole-graph ILP; each of Rockmate's per-block ILPs
-    /// runs at most 0.2 s of it); the best solution found by then is used.
+    /// runs at most `BLOCK_ILP_SECONDS` of it); the best solution found by then is used.
     pub time_limit: f64,
     /// Relative MIP gap at which HiGHS stops.
     pub mip_gap: f64,
