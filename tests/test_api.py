@@ -113,8 +113,8 @@ def test_a_plan_that_recomputes_more_than_a_steps_time_warns(monkeypatch: pytest
     predicted = floor.schedule["predicted"]
     ratio = predicted["recomputed_time"] / (predicted["time"] - predicted["recomputed_time"])
     slow = [w for w in record if "recomputing" in str(w.message)]
-    assert ratio > 0 and bool(slow) == (ratio > remat.module.SLOW_RECOMPUTATION), (ratio, slow)
-    monkeypatch.setattr(remat.module, "SLOW_RECOMPUTATION", ratio / 2)
+    assert ratio > 0 and bool(slow) == (ratio > remat.plans.SLOW_RECOMPUTATION), (ratio, slow)
+    monkeypatch.setattr(remat.plans, "SLOW_RECOMPUTATION", ratio / 2)
     with pytest.warns(UserWarning, match="recomputing") as record:
         remat.Remat(model, sample, plain.min_budget, measure_loss=False)
     assert f"the smallest one ({floor.min_budget} bytes)" in str(record[0].message)

@@ -159,7 +159,7 @@ def _mlp() -> torch.nn.Module:
 def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monkeypatch):
     """Where Inductor's code measures over the budget, the solver is asked for less,
     and the plan kept is one whose measured and predicted peaks keep the budget."""
-    measured = remat.module.measured_peak
+    measured = remat.plans.measured_peak
     overshoots = [2**18]
     asked = []
 
@@ -168,7 +168,7 @@ def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monk
         real = measured(g, schedule, phases, inputs, no_grad)
         return max(real, schedule["predicted"]["peak_bytes"]) + overshoots.pop() if overshoots else real
 
-    monkeypatch.setattr(remat.module, "measured_peak", measured_over_once)
+    monkeypatch.setattr(remat.plans, "measured_peak", measured_over_once)
     torch.manual_seed(0)
     x = torch.randn(512, 256)
     rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
@@ -180,7 +180,7 @@ def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monk
 def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_more(monkeypatch):
     """Where Inductor's code leaves room (fused chains hold no intermediates), the solver is asked
     for more, and the fastest predicted plan that keeps the budget runs."""
-    measured = remat.module.measured_peak
+    measured = remat.plans.measured_peak
     asked, times = [], []
 
     def measured_under_once(g, schedule, phases, inputs, no_grad):
@@ -190,7 +190,7 @@ def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_mor
         # Two of the MLP's 512 KiB activations under: room for another plan whatever the profile.
         return min(real, schedule["predicted"]["peak_bytes"]) - 2**20 if len(asked) == 1 else real
 
-    monkeypatch.setattr(remat.module, "measured_peak", measured_under_once)
+    monkeypatch.setattr(remat.plans, "measured_peak", measured_under_once)
     torch.manual_seed(0)
     x = torch.randn(512, 256)
     rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
@@ -238,14 +238,14 @@ def _planned_eagerly(warning: str) -> remat.Remat:
 
 
 def test_a_compiled_plan_runs_eagerly_where_every_compiled_plan_measures_over(monkeypatch):
-    monkeypatch.setattr(remat.module, "measured_peak", lambda *args: 2**40)
+    monkeypatch.setattr(remat.plans, "measured_peak", lambda *args: 2**40)
     _planned_eagerly("this plan runs eagerly")
 
 
 def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch):
     """Inductor's compile time grows with a phase's ops: a schedule whose recomputations run the
     graph's ops more than ``MAX_COMPILED_RUNS`` times over runs eagerly, and nothing is compiled."""
-    monkeypatch.setattr(remat.module, "MAX_COMPILED_RUNS", 1.0)
+    monkeypatch.setattr(remat.plans, "MAX_COMPILED_RUNS", 1.0)
 
     def compile(*args):
         raise AssertionError("a phase was compiled")

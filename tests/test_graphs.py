@@ -117,14 +117,14 @@ def test_check_graphs_replays_every_stage_against_the_model(make, capsys: pytest
 
 def _corrupted(monkeypatch: pytest.MonkeyPatch, corrupt) -> None:
     """Every joint graph planned from now on goes through ``corrupt`` first."""
-    with_outside = remat.module.with_outside
+    with_outside = remat.plans.with_outside
 
     def corrupted(*args, **kwargs):
         g = with_outside(*args, **kwargs)
         corrupt(g)
         return g
 
-    monkeypatch.setattr(remat.module, "with_outside", corrupted)
+    monkeypatch.setattr(remat.plans, "with_outside", corrupted)
 
 
 def test_check_graphs_fails_loudly_on_a_node_that_computes_something_else(monkeypatch: pytest.MonkeyPatch) -> None:

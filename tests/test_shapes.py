@@ -100,8 +100,8 @@ def test_short_calls_run_plans_for_their_size(monkeypatch: pytest.MonkeyPatch) -
     assert short is not top and short.schedule["predicted"]["recomputed_time"] == 0
     assert top.schedule["predicted"]["recomputed_time"] > 0
     runs = []
-    real = remat.module._Plan.run
-    monkeypatch.setattr(remat.module._Plan, "run", lambda plan, *a, **k: runs.append(plan) or real(plan, *a, **k))
+    real = remat.plans.Plan.run
+    monkeypatch.setattr(remat.plans.Plan, "run", lambda plan, *a, **k: runs.append(plan) or real(plan, *a, **k))
     _same_step(model, rm, model, _tokens(16), exact=True)
     assert runs == [] and _peak(model, rm, _tokens(16), False) <= budget
     _same_step(model, rm, model, _tokens(BOUND))

@@ -1,5 +1,5 @@
 """Native planning core (Rust, built by maturin). Graphs and schedules are JSON strings in the
-formats of docs/formats.md."""
+formats of docs/formats.md; a ``Graph`` keeps a graph parsed for repeated calls."""
 
 from typing import Literal
 
@@ -53,6 +53,44 @@ def stages(
 
 def budget_range(graph_json: str) -> tuple[int, int]:
     """(smallest feasible budget, plain PyTorch's peak) in bytes."""
+
+class Graph:
+    """A graph parsed and validated once, kept in Rust: each method is the module's function of the
+    same name on this graph, and releases the GIL likewise."""
+
+    def __init__(self, graph_json: str) -> None:
+        """Parses ``graph_json``. Raises remat.GraphError on a malformed graph."""
+
+    def plan(
+        self,
+        budget: int,
+        solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
+        time_limit: float = 30.0,
+        mip_gap: float = 0.01,
+        slots: int = 500,
+    ) -> str:
+        """Schedule JSON of least time within ``budget`` bytes (``plan``)."""
+
+    def stages(
+        self,
+        solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
+        time_limit: float = 30.0,
+        mip_gap: float = 0.01,
+        slots: int = 500,
+    ) -> str:
+        """The planner's stages as JSON (``stages``)."""
+
+    def simulate(self, schedule_json: str) -> str:
+        """Report JSON of replaying a schedule (``simulate``)."""
+
+    def memory_curve(self, schedule_json: str | None = None) -> str:
+        """The replay's points as JSON, op by op (``memory_curve``)."""
+
+    def budget_range(self) -> tuple[int, int]:
+        """(smallest feasible budget, plain PyTorch's peak) in bytes."""
+
+    def to_json(self) -> str:
+        """The graph file text."""
 
 def chain_plan(chain_json: str, mem_limit: int, slots: int = 500) -> str:
     """rotor's DP over a chain of blocks (a ``remat.chain`` file, docs/checkpointable.md): the

@@ -280,7 +280,11 @@ def copy_profile(src: JointGraph, dst: JointGraph, tangents: bool = True) -> Non
 
 
 class NewStorages(TorchDispatchMode):
-    """Follows each storage an op creates (not a view of one of its inputs) until it is released."""
+    """Follows each storage an op creates (not a view of one of its inputs) until it is released.
+
+    Released storages leave the count lazily (:meth:`sweep`), only where the count passes its
+    peak: a sweep walks every live storage, and sweeping after each op is quadratic in a deep
+    model's ops, while the count, never below the bytes alive, can only raise the peak there."""
 
     supports_higher_order_operators = True  # a compiled phase's RNG operators run through it too
 
@@ -290,7 +294,8 @@ class NewStorages(TorchDispatchMode):
         self.bytes = self.peak = 0
         self.active = True
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
+        """Drops the released storages from the count."""
         for ptr in [p for p, (_, ref) in self.live.items() if ref.expired()]:
             self.bytes -= self.live.pop(ptr)[0]
 
@@ -298,7 +303,13 @@ class NewStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.active:
             return out
-        self._sweep()
+        self._add_new(args, kwargs, out)
+        if self.bytes > self.peak:
+            self.sweep()
+            self.peak = max(self.peak, self.bytes)
+        return out
+
+    def _add_new(self, args: tuple, kwargs: dict | None, out: Any) -> None:
         inputs = {
             t.untyped_storage().data_ptr()
             for t in tree_leaves((args, kwargs))
@@ -309,11 +320,15 @@ class NewStorages(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes and ptr not in inputs and ptr not in self.live:
-                self.live[ptr] = (nbytes, StorageWeakRef(storage))
-                self.bytes += nbytes
-        self.peak = max(self.peak, self.bytes)
-        return out
+            if not nbytes or ptr in inputs:
+                continue
+            known = self.live.get(ptr)
+            if known is not None and not known[1].expired():
+                continue
+            if known is not None:  # a released storage's address, not swept yet
+                self.bytes -= known[0]
+            self.live[ptr] = (nbytes, StorageWeakRef(storage))
+            self.bytes += nbytes
 
     def ignore_compile_internals(self) -> bool:
         """While measuring, torch.compile leaves the frames it meets uncompiled, so that their ops
@@ -367,7 +382,7 @@ class Window:
         gradients, which the plan counts already), and the outputs the user let go of."""
         assert self.tracker is not None
         self.tracker.active = False
-        self.tracker._sweep()
+        self.tracker.sweep()
         grads_made = {g.untyped_storage().data_ptr() for g in grads} & self.tracker.live.keys()
         held = self.tracker.bytes - sum(self.tracker.live[ptr][0] for ptr in grads_made)
         peak = self.tracker.peak

@@ -7,57 +7,55 @@ import functools
 import inspect
 import json
 import logging
-import math
 import os
 import sys
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import _core, levels, plain, tree
+from . import _core, plain
 from .amp import autocast_state
-from .boundary import (
-    LOSS_SCALARS,
-    Outside,
-    Window,
-    differentiable_outputs,
-    estimated_outside,
-    forward_outputs,
-    output_bytes,
-    remove_closed_windows,
-    with_outside,
-)
+from .boundary import Outside
 from .capture import flatten_inputs, unflatten_inputs
 from .errors import (
     CaptureError,
     DeviceMismatch,
     InfeasibleBudget,
     InputMismatch,
-    PlanFileError,
     RematError,
 )
-from .executor import Phases, build_phases, device_of, held_bytes
-from .fit import PlanInputs, measured_peak
+from .fit import PlanInputs
 from .graph import JointGraph
 from .graphs import Graphs, JointStage
-from .inductor import compiled_times
-from .memory import Allocations, profiler_running, storage_ptrs
+from .measure import LossMeasure
+from .memory import Allocations, storage_ptrs
+from .plans import (
+    Options,
+    Plan,
+    Sample,
+    Solver,
+    estimated_loss,
+    first_plan,
+    inputs_at,
+    make_plan,
+    measure_fitting,
+    min_with,
+    min_without_loss,
+    plan_levels,
+    profiling_plan,
+    resized,
+    warn_if_slow,
+)
 from .plot import measured_curve, plot, predicted_curve
-from .rng import rng_state_bytes
 from .saved import Saved, fingerprint, load, path_of, save
 from .sizes import Dynamic, Sizes, dynamic_dims
 from .stages import planning, stage
-from .step import Step, input_grads
-from .trace import captured, graph_inputs, profiled
-
-Solver = Literal["rockmate", "rotor", "checkmate", "none"]
+from .trace import captured, profiled
 
 log = logging.getLogger("remat")
 
@@ -159,7 +157,7 @@ class Remat(nn.Module):
         self._register_load_state_dict_pre_hook(_wrapper_keys)
         self.solver = solver
         self._budget_arg = budget
-        self._options = _Options(solver, time_limit, mip_gap, slots, compile)
+        self._options = Options(solver, time_limit, mip_gap, slots, compile)
         self.max_plans = max_plans
         self.dynamic = True if dynamic is None else dynamic
         self.plan_dir = plan_dir
@@ -227,11 +225,7 @@ class Remat(nn.Module):
         sizes = planned.sizes
         assert sizes is not None
         bound = tuple(max(b, v) for b, v in zip(sizes.bound, values))
-        tensors, spec, consts = flatten_inputs(args, kwargs)
-        c = planned.base.captured
-        shapes = {b.target: ph.meta["val"].shape for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
-        grown = [_grown(t, sizes.at(tuple(shapes[i]), bound)) if i in shapes else t for i, t in enumerate(tensors)]
-        new_args, new_kwargs = unflatten_inputs(spec, consts, grown)
+        new_args, new_kwargs = inputs_at(planned.base, args, kwargs, bound)
         old = self._plans.pop(key)
         self._seen.clear()
         new_key = self._key(new_args, new_kwargs)
@@ -258,7 +252,7 @@ class Remat(nn.Module):
         _check_device(self.model, args, kwargs)
         t0 = time.perf_counter()
         budget, options, provisional = self._budget_arg, self._options, False
-        measure = _Measure()
+        measure = LossMeasure()
         measure.done = not self.measure_loss
         with planning(type(self.model).__name__, stages=4 if budget is None else 6):
             base, args, kwargs = self._captured(args, kwargs)
@@ -266,27 +260,27 @@ class Remat(nn.Module):
             file = self._plan_file(base)
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
-                plan = _make_plan(base, saved.outside, budget, options, inputs, (saved.schedule, file.path))
+                plan = make_plan(base, saved.outside, budget, options, inputs, (saved.schedule, file.path))
                 symbolic = plan.graph.sizes is not None and plan.budget < plan.plain_peak and not options.compile
                 if symbolic and saved.measured:  # a file saved before the loss was measured has no levels yet
-                    plan.levels = _levels(plan.graph, plan, options, (saved.levels, file.path))
+                    plan.levels = plan_levels(plan.graph, plan, options, (saved.levels, file.path))
                 measure.done = measure.done or saved.measured
                 measure.measured = saved.measured
                 log.info("read the plan from %s", file.path)
             else:
                 # With a budget, measuring runs a first schedule planned from sizes and estimated times.
-                first = None if budget is None else lambda g: _profiling_plan(g, budget, options)
+                first = None if budget is None else lambda g: profiling_plan(g, budget, options)
                 profiled(base, self.model, args, kwargs, first)
                 if budget is None:
                     measure.done = True
-                    plan = _make_plan(base, Outside(0), None, options)
+                    plan = make_plan(base, Outside(0), None, options)
                 elif options.compile and not measure.done:
                     # The first step measures the loss, which the compiled plan is for: it runs eagerly.
-                    plan, provisional = _first_plan(base, budget, replace(options, compile=False)), True
+                    plan, provisional = first_plan(base, budget, replace(options, compile=False)), True
                 else:
-                    plan = _first_plan(base, budget, options, inputs)
+                    plan = first_plan(base, budget, options, inputs)
         shapeless = self._key(args, kwargs, shapes=False)
-        sample = _Sample(self.model, args, kwargs, shapeless[1])
+        sample = Sample(self.model, args, kwargs, shapeless[1])
         self._current = self._plans[key] = _Planned(
             base, measure, plan, file, inputs, shapeless=shapeless, sample=sample
         )
@@ -304,7 +298,7 @@ class Remat(nn.Module):
             return captured(self.model, args, kwargs, self._options.compile), args, kwargs
         bounds = dynamic_dims(args, kwargs, self.dynamic)
         tensors, spec, consts = flatten_inputs(args, kwargs)
-        grown = [_grown(t, tuple(b.get(d, n) for d, n in enumerate(t.shape))) for t, b in zip(tensors, bounds)]
+        grown = [resized(t, tuple(b.get(d, n) for d, n in enumerate(t.shape))) for t, b in zip(tensors, bounds)]
         args, kwargs = unflatten_inputs(spec, consts, grown)
         try:
             return captured(self.model, args, kwargs, self._options.compile, [set(b) for b in bounds]), args, kwargs
@@ -338,7 +332,7 @@ class Remat(nn.Module):
             planned.adopt(plan, self._options)
 
     @property
-    def _plan(self) -> _Plan | None:
+    def _plan(self) -> Plan | None:
         return None if self._current is None else self._current.plan
 
     # What was planned, for reports and tests.
@@ -374,14 +368,14 @@ class Remat(nn.Module):
     def min_budget_without_loss(self) -> int | None:
         """The smallest budget of a plan that keeps no room for the loss, where no output gets a
         gradient or stays held (where the first plan falls back to when nothing else fits)."""
-        return None if self._current is None else _min_without_loss(self._current.base)
+        return None if self._current is None else min_without_loss(self._current.base)
 
     def _min_budget_estimated(self, loss: bool) -> int:
         """The smallest budget with room for the loss estimated over the outputs the first step
         differentiated (all, before a step has told them); without ``loss``, with none."""
         assert self._current is not None
         base, learned = self._current.base, self._current.measure.learned
-        return _min_with(base, _estimated(base, learned, loss))
+        return min_with(base, estimated_loss(base, learned, loss))
 
     @property
     def graphs(self) -> Graphs | None:
@@ -454,7 +448,7 @@ class Remat(nn.Module):
             self._plan_for_outputs(planned)
         elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
             # no step measured the loss: the compiled plan keeps room for its estimate
-            planned.adopt(_first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
+            planned.adopt(first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
         plan = planned.plan
         if plan.fitting and not self._marking and plain.runs_model(plan.fitting, values):
             return self.model(*args, **kwargs)  # its own step is measured to fit the budget at these sizes
@@ -468,10 +462,10 @@ class Remat(nn.Module):
         learned = measure.learned
         assert learned is not None
         measure.learned_planned = True
-        estimate = _estimated(planned.base, learned, self._loss_after)
+        estimate = estimated_loss(planned.base, learned, self._loss_after)
         if self._budget_arg is None or (planned.plan.outside == estimate and not planned.provisional):
             return
-        plan = _first_plan(planned.base, self._budget_arg, self._options, planned.inputs, learned, self._loss_after)
+        plan = first_plan(planned.base, self._budget_arg, self._options, planned.inputs, learned, self._loss_after)
         planned.adopt(plan, self._options)
         log.info(
             "planned again for the loss estimated without the %d outputs given no gradient, %d outputs released",
@@ -496,7 +490,7 @@ class Remat(nn.Module):
                 return
         t0 = time.perf_counter()
         try:
-            plan = _make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
+            plan = make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
         except InfeasibleBudget as exc:
             measure.outside = measured  # each call raises until the budget is raised (set_budget)
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
@@ -510,6 +504,13 @@ class Remat(nn.Module):
             len(measured.released),
             time.perf_counter() - t0,
         )
+
+
+def _plan_again(planned: _Planned, budget: int | float | None, options: Options, loss: bool) -> Plan:
+    """``planned`` for another budget: for its measured loss, or as before a step measured it."""
+    if planned.measure.measured:
+        return make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
+    return first_plan(planned.base, budget, options, planned.inputs, planned.measure.learned, loss)
 
 
 # The model's attributes a ``Remat`` shows as its own: what frameworks read of a transformers
@@ -556,38 +557,38 @@ class _Planned:
     the file it is saved in."""
 
     base: JointGraph
-    measure: _Measure
-    plan: _Plan
+    measure: LossMeasure
+    plan: Plan
     file: _PlanFile | None = None
     inputs: PlanInputs | None = None  # to measure compiled plans with
     # An eager plan run until the first step has measured the loss, in place of a compiled one
     provisional: bool = False
     shapeless: tuple = ()  # the key of the calls it may serve, shapes aside (``Remat._key``)
-    sample: _Sample | None = None  # the call it was planned for, at its bound
+    sample: Sample | None = None  # the call it was planned for, at its bound
 
     @property
     def sizes(self) -> Sizes | None:
         return self.base.sizes
 
-    def adopt(self, plan: _Plan, options: _Options, provisional: bool = False) -> None:
+    def adopt(self, plan: Plan, options: Options, provisional: bool = False) -> None:
         """Runs ``plan`` from now on (with a warning where it is slow) and saves it (unless
         ``provisional``)."""
         plan.measure, self.plan, self.provisional = self.measure, plan, provisional
-        _warn_if_slow(plan, options)
+        warn_if_slow(plan, options)
         self.add_levels(options)
 
-    def add_levels(self, options: _Options) -> None:
+    def add_levels(self, options: Options) -> None:
         """Plans at smaller sizes for the plan of a symbolic graph, once the loss is measured (the
         plan of the first step, which measures it, serves every size: ``levels``); saves the plan."""
         plan, g = self.plan, self.plan.graph
         wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
         if wanted and plan.levels is None and self.measure.done:
             with stage(f"plans at smaller sizes ({g.sizes.describe()} at the bound)"):
-                plan.levels = _levels(g, plan, options)
+                plan.levels = plan_levels(g, plan, options)
         for _, level in plan.levels or ():
             level.measure = self.measure
         if plan.fitting is None and self.measure.measured and not options.compile and self.sample is not None:
-            plan.fitting = _fitting(plan, self.sample, self.measure.loss_bytes)
+            plan.fitting = measure_fitting(plan, self.sample, self.measure.loss_bytes)
         if not self.provisional:
             self.save()
 
@@ -596,140 +597,6 @@ class _Planned:
             levels = tuple((values, plan.schedule) for values, plan in self.plan.levels or ())
             saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule, levels)
             save(self.file.path, self.file.fp, self.base, saved)
-
-
-@dataclass(frozen=True)
-class _Sample:
-    """The model and the inputs a plan was made for (grown to its bound), under their autocast state."""
-
-    model: nn.Module
-    args: tuple
-    kwargs: dict
-    autocast: tuple[tuple[str, torch.dtype], ...]
-
-    def at(self, g: JointGraph, values: tuple[int, ...]) -> tuple[tuple, dict]:
-        """The inputs cut to ``values`` of ``g``'s symbolic sizes (each input's leading part)."""
-        if g.sizes is None:
-            return self.args, self.kwargs
-        c = g.captured
-        shapes = {b.target: ph.meta["val"].shape for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
-        tensors, spec, consts = flatten_inputs(self.args, self.kwargs)
-        cut = [_cut(t, g.sizes.at(tuple(shapes[i]), values)) if i in shapes else t for i, t in enumerate(tensors)]
-        return unflatten_inputs(spec, consts, cut)
-
-
-@dataclass(frozen=True)
-class _Options:
-    solver: Solver
-    time_limit: float
-    mip_gap: float
-    slots: int
-    compile: bool
-
-
-class _Measure:
-    """The first training step's measurement of what the step holds outside the graph."""
-
-    # Steps whose window is abandoned (another forward before the backward) before giving up.
-    ATTEMPTS = 3
-
-    def __init__(self) -> None:
-        self.done = False
-        self.measured = False  # the plan is for a measured loss
-        self.attempts = 0
-        self.window: Window | None = None  # open, or closed and not yet removed
-        self.outside: Outside | None = None  # measured, not yet planned for
-        # Where no window measures the loss: the outputs the first step gave no gradient and
-        # those it let go of before its backward (an ``Outside`` without loss bytes).
-        self.learned: Outside | None = None
-        self.learned_planned = False
-        self.loss_bytes = 0  # the loss room measured (at the bound)
-        self.watched: list[weakref.ref] = []  # the outputs of the forward whose backward tells them
-        # Plans again for the measured loss at the end of the step that measured it (else the
-        # next call does)
-        self.replan: Callable[[], None] | None = None
-
-    def after_backward(self) -> None:
-        """At the end of a step's backward: plans for the loss it measured, if any."""
-        if self.outside is not None and self.replan is not None:
-            try:
-                self.replan()
-            except InfeasibleBudget:
-                pass  # raised by the next call, as the measurement stays to plan for
-
-    def give_up(self) -> None:
-        """No window: called from a torch.compile'd module, whose frames restore the dispatch
-        state on return, the window's mode could not outlive the call. The plan keeps its room
-        for the estimated loss."""
-        self.done = True
-        warnings.warn(
-            "remat: called from a torch.compile'd module, remat cannot measure the step's loss and keeps "
-            "room for its estimate (a few tensors of the outputs' size); to compile the planned step, use "
-            "remat.Remat(..., compile=True) and call it uncompiled",
-            stacklevel=3,
-        )
-
-    def wanted(self) -> bool:
-        return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
-
-    def learning(self) -> bool:
-        """Whether the outputs are still to be learned without a window (first step only)."""
-        return self.done and not self.measured and self.learned is None
-
-    def watch(self, outputs: list[torch.Tensor]) -> None:
-        """The tensors handed to the user by a forward no window measures."""
-        self.watched = [weakref.ref(t) for t in outputs]
-
-    def learn_outputs(self, grads: tuple) -> None:
-        """At a backward whose loss no window measured: the outputs without gradient, and those
-        the user let go of (first step only)."""
-        if self.learning():
-            no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
-            released = frozenset(i for i, ref in enumerate(self.watched) if ref() is None)
-            self.learned, self.watched = Outside(0, 0, no_grad, released), []
-
-    def settle(self, others: bool) -> None:
-        """Before a forward: a window still there is removed (one still open measured nothing),
-        and with ``others`` the closed windows of other wrappers on this thread (not from a
-        torch.compile'd frame, which restores the dispatch state it started with on return)."""
-        if self.window is not None:
-            self.window.remove()
-            self.window = None
-        if others:
-            remove_closed_windows()
-
-    def open(self, device: torch.device) -> Window | None:
-        self.attempts += 1
-        window = Window(device)
-        if not window.open():
-            return None
-        self.window = window
-        return window
-
-    def close(self, window: Window, grads: tuple, plan: _Plan, values: tuple[int, ...]) -> None:
-        """Ends the window of ``plan``'s step, a call with ``values`` of the symbolic sizes (the
-        bytes it measures are scaled to the bound, as the outputs the loss reads are: ``levels``);
-        warns if the step went over the budget."""
-        if window is not self.window:
-            return
-        peak, held, released = window.close([g for g in grads if g is not None])
-        if plan.graph.sizes is not None:
-            ratio = levels.loss_ratio(plan.graph, values)
-            peak, held = math.ceil(peak / ratio), math.ceil(held / ratio)
-        no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
-        self.outside = measured = Outside(peak, held, no_grad, released)
-        planned = plan.outside
-        over = max(measured.loss_bytes - planned.loss_bytes, measured.held_bytes - planned.held_bytes)
-        # outputs the plan let go of (or gave no gradient) that this step held (or differentiated)
-        over += output_bytes(plan.graph, (planned.released - released) | (planned.no_grad - no_grad))
-        if over > plan.slack():
-            warnings.warn(
-                f"remat: this step's loss held {measured.loss_bytes} bytes between the model's forward and "
-                f"backward and holds {measured.held_bytes} bytes through the backward, up to {over} more than "
-                f"the plan made room for: the step may exceed the budget of {plan.budget} bytes by up to "
-                f"{over - plan.slack()} bytes; the next steps are planned with it",
-                stacklevel=2,
-            )
 
 
 _MODEL = "model."
@@ -798,513 +665,9 @@ def _signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
     return (spec, tuple(repr(c) for c in consts), metas)
 
 
-def _grown(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``t`` repeated along each dimension where ``shape`` is larger, to ``shape`` (a sample at a
-    new bound, made from a call's values)."""
-    for d, n in enumerate(shape):
-        if t.shape[d] < n:
-            t = torch.cat([t] * -(-n // t.shape[d]), dim=d).narrow(d, 0, n).clone()  # not a view: its own storage
-    return t
-
-
-def _cut(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``t``'s leading part of ``shape`` (its own storage, contiguous)."""
-    if tuple(t.shape) == tuple(shape):
-        return t
-    for d, n in enumerate(shape):
-        t = t.narrow(d, 0, min(n, t.shape[d]))
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def _describe(key: tuple) -> str:
     """A plan's key in words: its inputs' shapes, dtypes and devices, and its autocast state."""
     signature, autocast, _ = key
     inputs = ", ".join(f"{list(s)} {str(d).removeprefix('torch.')} on {dev}" for s, d, dev, _ in signature[2])
     casts = [f"{dev} {str(dtype).removeprefix('torch.')}" for dev, dtype in autocast]
     return f"inputs {inputs or 'without tensors'}" + (f" under autocast ({', '.join(casts)})" if casts else "")
-
-
-@dataclass
-class _Plan:
-    graph: JointGraph
-    graph_json: str
-    schedule: dict[str, Any]
-    phases: Phases
-    budget: int
-    plain_peak: int
-    min_budget: int
-    reserve: int  # bytes of the budget held back for RNG states and buffer copies
-    outside: Outside
-    copied: set[int]  # buffers whose pre-step values the backward phase keeps
-    peak: int  # the step's peak: measured for compiled phases (``fit``), else predicted; the reserve included
-    measure: _Measure | None = None
-    # Plans of the same graph at smaller values of its symbolic sizes, each with those values (``levels``)
-    levels: list[tuple[tuple[int, ...], _Plan]] | None = None
-    # Sizes at or below which the model's own step is measured to fit the budget (``plain``)
-    fitting: list[tuple[int, ...]] | None = None
-
-    def at(self, values: tuple[int, ...]) -> _Plan:
-        """The plan to run for a call with ``values`` of the symbolic sizes: of least predicted
-        time among this one and the levels at or above ``values`` in every symbol."""
-        best = self
-        for level, plan in self.levels or ():
-            fits = all(v <= top for v, top in zip(values, level))
-            if fits and plan.schedule["predicted"]["time"] < best.schedule["predicted"]["time"]:
-                best = plan
-        return best
-
-    @functools.cached_property
-    def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
-        """See ``step.input_grads``."""
-        return input_grads(self.graph)
-
-    def slack(self) -> int:
-        """Bytes of the budget the plan leaves unused."""
-        return self.budget - self.peak
-
-    def held_bytes(self) -> int:
-        """Activation bytes alive between the phases: the outputs and what the backward reads."""
-        return held_bytes(self.graph, self.phases)
-
-    @functools.cached_property
-    def marked_phases(self) -> Phases:
-        """The schedule's phases run eagerly, each op's allocations marked (``plot.measured_curve``)."""
-        return build_phases(self.graph, self.schedule, marked=True)
-
-    def run(
-        self, model: nn.Module, args: tuple, kwargs: dict, values: tuple[int, ...] = (), marked: bool = False
-    ) -> Any:
-        """One call of the step, with ``values`` of the symbolic sizes; ``marked``: through
-        :attr:`marked_phases`."""
-        tensors, _, _ = flatten_inputs(args, kwargs)
-        inputs = graph_inputs(self.graph, model, tensors)
-        vids = list(inputs)
-        phases = self.marked_phases if marked else self.phases
-        outs = Step.apply(self, phases, values, vids, *inputs.values())
-        if self.measure is not None and self.measure.window is not None:
-            self.measure.window.watch(list(outs))
-        elif self.measure is not None and self.measure.learning():
-            self.measure.watch(list(outs))
-        sizes = self.graph.sizes
-        size_of = (lambda x: x) if sizes is None else (lambda x: sizes.at(x, values))
-        return tree.unflatten(self.graph.captured.out_spec, list(outs), size_of)
-
-
-def _first_plan(
-    base: JointGraph,
-    budget: int | float,
-    options: _Options,
-    inputs: PlanInputs | None = None,
-    learned: Outside | None = None,
-    loss: bool = True,
-) -> _Plan:
-    """The plan before a step has measured the loss: room for the estimated loss, or for as much of
-    it as the budget allows; where even none fits, the plan assumes no output gets a gradient or
-    stays held (the loss is inside the model), which the first step checks. ``learned``: the
-    outputs a step gave no gradient and those it released, where no step measures the loss; the
-    estimate over the others is then all remat knows of the loss, and a budget without room for it
-    raises ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of
-    the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
-    estimate = _estimated(base, learned, loss)
-    if isinstance(budget, float):  # of the plain step's peak with the estimated loss
-        budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
-    if learned is not None:
-        try:
-            return _make_plan(base, estimate, budget, options, inputs)
-        except InfeasibleBudget as exc:
-            raise InfeasibleBudget(exc.budget, exc.min_budget, estimate.loss_bytes, estimated=True) from None
-    if not _fits(base, estimate, budget):
-        if _fits(base, replace(estimate, loss_bytes=0), budget):
-            fits, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
-            while too_big - fits > max(1024, estimate.loss_bytes // 100):
-                room = (fits + too_big) // 2
-                fits, too_big = (
-                    (room, too_big) if _fits(base, replace(estimate, loss_bytes=room), budget) else (fits, room)
-                )
-            estimate = replace(estimate, loss_bytes=fits)
-        else:
-            no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
-            estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
-            if not _fits(base, estimate, budget):
-                estimate = Outside(0, 0, no_grad, released)
-    return _make_plan(base, estimate, budget, options, inputs)
-
-
-def _profiling_plan(base: JointGraph, budget: int | float, options: _Options) -> _Plan:
-    """The schedule profiling runs: the first plan from sizes and estimated times, or where those
-    find ``budget`` infeasible, the smallest such plan (the ops' measured temporaries decide the
-    smallest feasible budget, which the error of the plan after profiling names)."""
-    try:
-        return _first_plan(base, budget, options)
-    except InfeasibleBudget as exc:
-        return _first_plan(base, exc.min_budget, options)
-
-
-def _plan_again(planned: _Planned, budget: int | float | None, options: _Options, loss: bool) -> _Plan:
-    """``planned`` for another budget: for its measured loss, or as before a step measured it."""
-    if planned.measure.measured:
-        return _make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
-    return _first_plan(planned.base, budget, options, planned.inputs, planned.measure.learned, loss)
-
-
-def _estimated(base: JointGraph, learned: Outside | None, loss: bool) -> Outside:
-    """The estimated loss room over the outputs but ``learned.no_grad``, with ``learned``'s
-    outputs without gradient and released; no room without ``loss``."""
-    no_grad, released = (frozenset(), frozenset()) if learned is None else (learned.no_grad, learned.released)
-    if not loss:
-        return Outside(0, 0, no_grad, released)
-    return estimated_outside(base, no_grad, released)
-
-
-def _min_without_loss(base: JointGraph) -> int:
-    no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
-    return _min_with(base, Outside(0, 0, no_grad, released))
-
-
-def _min_with(base: JointGraph, outside: Outside) -> int:
-    """The smallest budget of ``base`` with ``outside``."""
-    g = with_outside(base, outside)
-    return _core.budget_range(g.to_json())[0] + _reserve(g, None, _buffers_to_copy(g))
-
-
-def _fits(base: JointGraph, outside: Outside, budget: int | float) -> bool:
-    """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
-    g = with_outside(base, outside)
-    min_budget, plain_peak = _core.budget_range(g.to_json())
-    target = _target(budget, min_budget, plain_peak)
-    return target >= plain_peak or min_budget + _reserve(g, None, _buffers_to_copy(g)) <= target
-
-
-def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int:
-    """The budget in bytes: a fraction is of plain PyTorch's peak, ``None`` is that peak."""
-    if budget is None:
-        return max(plain_peak, min_budget)
-    return _core.budget_bytes(budget, plain_peak)
-
-
-def _make_plan(
-    base: JointGraph,
-    outside: Outside,
-    budget: int | float | None,
-    options: _Options,
-    inputs: PlanInputs | None = None,
-    saved: tuple[dict[str, Any], Path] | None = None,
-) -> _Plan:
-    """The plan of ``base`` with ``outside`` within ``budget``: solved, or the schedule of a plan
-    file (``saved``: the schedule and the file), once it replays on the graph within the budget.
-    With ``options.compile`` the ops count Inductor's times (``compiled_times``), and with
-    ``inputs`` the compiled phases are measured (``fit``) and the solver asked again where they
-    hold more than the budget or leave room."""
-    g = with_outside(base, outside)
-    if options.compile:
-        compiled_times(g)
-    graph_json = g.to_json()
-    min_budget, plain_peak = _core.budget_range(graph_json)
-    target = _target(budget, min_budget, plain_peak)
-    copied = _buffers_to_copy(g)
-    most = _reserve(g, None, copied)
-    fit = options.compile and inputs is not None and budget is not None
-    if fit and profiler_running():
-        log.warning("torch.profiler is running: the compiled plan's memory is not measured, only predicted")
-        fit = False
-    if saved is None and fit:
-        assert inputs is not None
-        fitting = (target, plain_peak, copied, most)
-        schedule, held_back, phases, peak = _fitted(g, graph_json, fitting, options, inputs(g), outside.no_grad)
-    else:
-        if saved is None:
-            schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, most, options)
-        else:
-            schedule, path = saved
-            held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
-            schedule = _replayed(graph_json, schedule, path)
-        with stage("build"):
-            phases = build_phases(g, schedule, options.compile)
-        if fit:
-            assert inputs is not None
-            peak = _compiled_peak(g, schedule, phases, inputs(g), outside.no_grad) + held_back
-        else:
-            peak = schedule["predicted"]["peak_bytes"] + held_back
-        if saved is not None and peak > target:
-            raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
-    limits = (target, plain_peak, min_budget + most, held_back)
-    return _Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
-
-
-def _replayed(graph_json: str, schedule: dict[str, Any], path: Path) -> dict[str, Any]:
-    """A schedule of the plan file ``path`` with its replay on the graph as its prediction;
-    ``PlanFileError`` where it does not replay."""
-    try:
-        return {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
-    except RematError as exc:
-        raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
-
-
-def _levels(
-    g: JointGraph, top: _Plan, options: _Options, saved: tuple[tuple, Path] | None = None
-) -> list[tuple[tuple[int, ...], _Plan]]:
-    """Plans of ``top``'s graph, within its budget, at the levels below its bound (``levels``):
-    along each symbol down to the largest value at which plain PyTorch's step fits. ``saved``:
-    the levels' schedules of a plan file and the file, replayed at their values instead."""
-    sizes = g.sizes
-    assert sizes is not None
-    most = _reserve(g, None, top.copied)
-
-    def at(values: tuple[int, ...]) -> tuple[str, int, int]:
-        graph_json = levels.scaled_json(g, values, levels.loss_ratio(g, values))
-        return (graph_json, *_core.budget_range(graph_json))
-
-    def level(values: tuple[int, ...], graph_json: str, schedule: dict, plain_peak: int, min_budget: int) -> _Plan:
-        held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
-        peak = schedule["predicted"]["peak_bytes"] + held_back
-        limits = (top.budget, plain_peak, min_budget + most, held_back)
-        return _Plan(g, graph_json, schedule, build_phases(g, schedule), *limits, top.outside, top.copied, peak)
-
-    if saved is not None:
-        found, path = saved
-        out = []
-        for values, schedule in found:
-            graph_json, min_budget, plain_peak = at(values)
-            schedule = _replayed(graph_json, schedule, path)
-            plan = level(values, graph_json, schedule, plain_peak, min_budget)
-            if plan.peak > top.budget:
-                raise PlanFileError(f"a schedule in {path} peaks at {plan.peak} bytes, over {top.budget}; delete it")
-            out.append((values, plan))
-        return out
-
-    out = []
-    for i, chain in enumerate(levels.chains(sizes)):
-        above = sizes.bound
-        for values in chain:
-            graph_json, min_budget, plain_peak = at(values)
-            if plain_peak <= top.budget:  # the largest value where the plain step fits serves all below
-                low, high = values[i], above[i]
-                while high - low > 1:
-                    mid = (low + high) // 2
-                    mid_values = tuple(mid if j == i else v for j, v in enumerate(values))
-                    found = at(mid_values)
-                    if found[2] <= top.budget:
-                        low, (graph_json, min_budget, plain_peak), values = mid, found, mid_values
-                    else:
-                        high = mid
-            try:
-                schedule, _ = _solve(g, graph_json, top.budget, plain_peak, top.copied, most, options)
-            except InfeasibleBudget:
-                continue  # the plan above serves these sizes
-            out.append((values, level(values, graph_json, schedule, plain_peak, min_budget)))
-            if plain_peak <= top.budget:
-                break
-            above = values
-    return out
-
-
-def _fitting(plan: _Plan, sample: _Sample, measured_loss: int) -> list[tuple[int, ...]]:
-    """The sizes at or below which the model's own step keeps ``plan``'s budget (``plain``),
-    measured where its plain plans are: at the bound where ``plan`` is plain, and at its plain
-    levels, or else below them along their symbols. ``measured_loss``: the loss room the first
-    step measured (at the bound), where larger than the plan's."""
-    g = plan.graph
-    bound = () if g.sizes is None else g.sizes.bound
-    points = [(bound, list(range(len(bound))))] if plan.budget >= plan.plain_peak else []
-    for values, level in plan.levels or ():
-        if level.budget >= level.plain_peak:
-            points.append((values, [i for i, (v, b) in enumerate(zip(values, bound)) if v != b]))
-    if not points:
-        return []
-    room = max(plan.outside.loss_bytes, measured_loss)
-    # What the step that measures may hold meanwhile: the outputs the user keeps, and the loss
-    held = output_bytes(g, frozenset(forward_outputs(g)) - plan.outside.released) + plan.outside.held_bytes
-    t0 = time.perf_counter()
-
-    def fits(values: tuple[int, ...]) -> bool:
-        at = room if g.sizes is None else math.ceil(room * levels.loss_ratio(g, values))
-        args, kwargs = sample.at(g, values)
-        cap = plan.budget - max(at, held)
-        peak = plain.step_peak(sample.model, args, kwargs, plan.outside.no_grad, cap, sample.autocast)
-        return peak is not None and peak + at <= plan.budget
-
-    lowest = tuple(max(2, math.ceil(b * levels.SMALLEST)) for b in bound)
-    fitting = plain.fitting_sizes(points, fits, lowest)
-    if g.sizes is None:
-        where = "at its shape" if fitting else "nowhere"
-    else:
-        where = "; ".join(f"up to {g.sizes.describe(v)}" for v in fitting) or "nowhere"
-    log.info("measured plain PyTorch's step (the model runs itself %s) in %.2f s", where, time.perf_counter() - t0)
-    return fitting
-
-
-# A plan whose predicted recomputation takes longer than this many plain steps is warned of.
-SLOW_RECOMPUTATION = 1.0
-
-
-def _warn_if_slow(plan: _Plan, options: _Options) -> None:
-    """Warns where ``plan`` recomputes more than ``SLOW_RECOMPUTATION`` plain steps' time: a
-    budget near the smallest one, where few schedules fit and the fast ones may not be found."""
-    predicted = plan.schedule["predicted"]
-    recomputed = predicted["recomputed_time"]
-    plain = predicted["time"] - recomputed
-    if recomputed <= SLOW_RECOMPUTATION * plain:
-        return
-    target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
-    where = (target - min_budget) / max(plain_peak - min_budget, 1)
-    found = (
-        f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
-        f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
-        if (plan.schedule.get("solver") or {}).get("status") == "fallback"
-        else "a larger budget runs faster"
-    )
-    warnings.warn(
-        f"remat: the plan for {target} bytes is predicted to spend {recomputed:.3g} s per step recomputing, "
-        f"{recomputed / max(plain, 1e-12):.1f}x the {plain:.3g} s of the step itself: the budget lies {where:.0%} "
-        f"of the way from the smallest one ({min_budget} bytes) to plain PyTorch's peak ({plain_peak} bytes); "
-        f"{found}",
-        stacklevel=3,
-    )
-
-
-# Compiled plans measured at most for one budget.
-FIT_ROUNDS = 3
-# A compiled plan that measures under the budget by more than this share of it is planned again,
-# for the budget raised by what it measures under its prediction.
-FIT_SLACK = 0.03
-# A schedule that runs more compute ops than this many times the graph's nodes is not compiled:
-# Inductor's compile time grows with a phase's ops, and such a step's time is its recomputation,
-# compiled or not. The solvers' plans of the saved graphs (rust/tests/graphs) run their ops at most
-# 1.8 times over, from the smallest budget up; the keep-set schedules below those budgets 7.8 to
-# 34 times (Inductor was still compiling GPT-2 12L's 64,164 ops for 1,891 nodes after 10 minutes
-# on 2 cores).
-MAX_COMPILED_RUNS = 4
-
-
-def _fitted(
-    g: JointGraph,
-    graph_json: str,
-    fitting: tuple[int, int, set[int], int],
-    options: _Options,
-    tensors: dict[int, torch.Tensor],
-    no_grad: frozenset[int],
-) -> tuple[dict[str, Any], int, Phases, int]:
-    """A compiled plan whose step peak keeps ``target``, with the bytes held back, its phases and
-    that peak as measured (``fit``). The solver plans for the eager ops, which Inductor fuses and
-    reorders, so it is asked again for the budget moved by what the measurement differs from the
-    prediction by, where the plan goes over or leaves over ``FIT_SLACK`` unused; of the plans that
-    keep the budget, the fastest predicted runs. Where none keeps it, the first schedule runs
-    eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
-    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target,
-    plain PyTorch's peak, the copied buffers and the most bytes held back (``_make_plan``)."""
-    target, plain_peak, copied, most = fitting
-    asked, first, best = target, None, None
-    tried: set[str] = set()  # the schedules measured, by their ops
-    for _ in range(FIT_ROUNDS):
-        try:
-            schedule, held_back = _solve(g, graph_json, asked, plain_peak, copied, most, options)
-        except InfeasibleBudget:
-            if first is None:
-                raise
-            break
-        ops = json.dumps([schedule["forward"], schedule["backward"]])
-        if ops in tried:
-            break
-        tried.add(ops)
-        first = first or (schedule, held_back)
-        runs = _runs(schedule) / max(len(g.nodes), 1)
-        if runs > MAX_COMPILED_RUNS:
-            if best is not None:
-                break
-            warnings.warn(
-                f"remat: the plan for {target} bytes runs the graph's ops {runs:.0f} times over: Inductor would "
-                "take many minutes to compile phases that long, so this plan runs eagerly; a larger budget "
-                "gives a plan that compiles",
-                stacklevel=2,
-            )
-            return _eager(g, schedule, held_back)
-        phases = build_phases(g, schedule, compiled=True)
-        peak = _compiled_peak(g, schedule, phases, tensors, no_grad) + held_back
-        if peak <= target:
-            if best is None or schedule["predicted"]["time"] < best[0]["predicted"]["time"]:
-                best = (schedule, held_back, phases, peak)
-            if target - peak <= FIT_SLACK * target or asked >= plain_peak:
-                break
-        asked = min(target + schedule["predicted"]["peak_bytes"] + held_back - peak, plain_peak)
-    if best is not None:
-        return best
-    assert first is not None
-    warnings.warn(
-        f"remat: the compiled phases of every plan tried measure over the budget of {target} bytes "
-        "(Inductor's code holds more than the planned order); this plan runs eagerly",
-        stacklevel=2,
-    )
-    return _eager(g, *first)
-
-
-def _eager(g: JointGraph, schedule: dict[str, Any], held_back: int) -> tuple[dict[str, Any], int, Phases, int]:
-    """``schedule``'s plan with eager phases, at its predicted peak (as ``_fitted`` returns it)."""
-    phases = build_phases(g, schedule, compiled=False)
-    return schedule, held_back, phases, schedule["predicted"]["peak_bytes"] + held_back
-
-
-def _runs(schedule: dict[str, Any]) -> int:
-    """The compute ops of ``schedule``: the graph's nodes and their recomputations."""
-    return sum(op["op"] == "compute" for phase in ("forward", "backward") for op in schedule[phase])
-
-
-def _compiled_peak(
-    g: JointGraph, schedule: dict[str, Any], phases: Phases, tensors: dict[int, torch.Tensor], no_grad: frozenset[int]
-) -> int:
-    """The step peak of ``schedule``'s compiled ``phases``, measured (logged beside the prediction)."""
-    t0 = time.perf_counter()
-    measured = measured_peak(g, schedule, phases, tensors, no_grad)
-    predicted = schedule["predicted"]["peak_bytes"]
-    log.info(
-        "compiled and measured a plan in %.2f s: %d bytes (predicted %d)", time.perf_counter() - t0, measured, predicted
-    )
-    return measured
-
-
-def _solve(
-    g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], most: int, options: _Options
-) -> tuple[dict[str, Any], int]:
-    """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
-    replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back for every
-    random node and copied buffer (``most``) whatever the schedule replays: a room that depended
-    on a first schedule's replays would give a lower budget more room where that schedule
-    replayed fewer."""
-    held_back = 0 if target >= plain_peak else most
-    o, room = options, max(target - held_back, 0)
-    with stage(f"solve ({options.solver}, budget {target} bytes)"):
-        try:
-            schedule = json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
-        except InfeasibleBudget as exc:
-            raise InfeasibleBudget(target, exc.min_budget + most) from None
-    return schedule, _reserve(g, schedule, copied) if held_back else 0
-
-
-def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:
-    """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
-    ``schedule`` runs more than once (of every random node without a schedule) and the state a
-    replay holds meanwhile, and the pre-step copies of the buffers in ``copied``."""
-    ops = [op for phase in ("forward", "backward") for op in (schedule or {}).get(phase, [])]
-    runs = collections.Counter(op["node"] for op in ops if op["op"] == "compute")
-    replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
-    rng = rng_state_bytes(device_of(replayed[0]), len(replayed)) if replayed else 0
-    return rng + sum(g.values[v].bytes for v in copied)
-
-
-def _buffers_to_copy(g: JointGraph) -> set[int]:
-    """Value ids of the buffers the step updates whose old values a recomputation may need.
-    A batch norm in training mode reads its running statistics only to update them, and the
-    update it makes again is dropped: its buffers need no copy."""
-    c = g.captured
-    mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
-    buffers = {
-        g.value_of[ph]
-        for ph, b in zip(c.placeholders, c.bindings)
-        if b.kind in ("buffer", "input") and b.target in mutated
-    }
-    read_otherwise = {v for n in g.nodes if not _updates_running_stats(n) for v in n.inputs}
-    return buffers & read_otherwise
-
-
-def _updates_running_stats(node) -> bool:
-    fx_node = node.fx_node
-    return fx_node.target is torch.ops.aten._native_batch_norm_legit_functional.default and fx_node.args[5] is True

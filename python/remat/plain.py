@@ -54,10 +54,15 @@ class _Capped(NewStorages):
         self.over = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.active and self.bytes > self.cap:
-            self.over, self.active = True, False
-            raise _OverCap
+        out = func(*args, **(kwargs or {}))
+        if not self.active:
+            return out
+        self._add_new(args, kwargs, out)
+        if self.bytes > self.cap:
+            self.sweep()
+            if self.bytes > self.cap:
+                self.over, self.active = True, False
+                raise _OverCap
         return out
 
 

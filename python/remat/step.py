@@ -20,12 +20,12 @@ from .graph import JointGraph
 
 
 class RunsPlan(Protocol):
-    """What ``Step`` reads of a plan (``module._Plan``)."""
+    """What ``Step`` reads of a plan (``plans.Plan``)."""
 
     graph: JointGraph
     copied: set[int]  # buffers whose pre-step values the backward phase keeps
     outside: Outside
-    measure: Any  # the first step's loss measurement (``module._Measure``), or None
+    measure: Any  # the first step's loss measurement (``measure.LossMeasure``), or None
 
     @property
     def input_grads(self) -> list[tuple[int, int, frozenset[int]]]: ...

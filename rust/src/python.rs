@@ -1,5 +1,5 @@
-//! `remat._core`: JSON strings in and out; the GIL is released while planning. Only converts
-//! types: every decision is made by the Rust API.
+//! `remat._core`: JSON strings in and out, or a `Graph` handle parsed once; the GIL is released
+//! while parsing and planning. Only converts types: every decision is made by the Rust API.
 
 use crate::{Budget, Chain, Error, Graph, PlanOptions, Schedule, Solver};
 use pyo3::exceptions::PyRuntimeError;
@@ -7,13 +7,17 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
+// The signatures write `slots`' default as the literal 500: PyO3 shows a literal default in
+// `__text_signature__` (which `inspect.signature` and the stub test read) but a path as `...`.
+const _: () = assert!(crate::DEFAULT_SLOTS == 500);
+
 /// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`:
 /// the schedule JSON.
 #[pyfunction]
-#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::DEFAULT_SLOTS))]
+#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
 fn py_plan(
     py: Python<'_>,
-    graph_json: String,
+    graph_json: &str,
     budget: u64,
     solver: &str,
     time_limit: f64,
@@ -21,45 +25,30 @@ fn py_plan(
     slots: usize,
 ) -> PyResult<String> {
     let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-    py.detach(|| {
-        let graph = Graph::from_json(&graph_json)?;
-        crate::plan(&graph, budget, &options).map(|s| s.to_json())
-    })
-    .map_err(|e| to_py_err(py, e))
+    schedule_json(py, &parse_graph(py, graph_json)?, budget, &options)
 }
 
 /// `stages(graph_json, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
 /// simplified graph, the blocks and their classes with their options, as JSON.
 #[pyfunction]
-#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::DEFAULT_SLOTS))]
+#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
 fn py_stages(
     py: Python<'_>,
-    graph_json: String,
+    graph_json: &str,
     solver: &str,
     time_limit: f64,
     mip_gap: f64,
     slots: usize,
 ) -> PyResult<String> {
     let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-    py.detach(|| {
-        let graph = Graph::from_json(&graph_json)?;
-        let stages = crate::stages(&graph, &options)?;
-        Ok(serde_json::to_string(&stages).expect("stages always serialize"))
-    })
-    .map_err(|e| to_py_err(py, e))
+    stages_json(py, &parse_graph(py, graph_json)?, &options)
 }
 
 /// `simulate(graph_json, schedule_json) -> str`: the report JSON.
 #[pyfunction]
 #[pyo3(name = "simulate")]
-fn py_simulate(py: Python<'_>, graph_json: String, schedule_json: String) -> PyResult<String> {
-    py.detach(|| {
-        let graph = Graph::from_json(&graph_json)?;
-        let schedule = Schedule::from_json(&schedule_json)?;
-        let report = crate::simulate(&graph, &schedule)?;
-        Ok(serde_json::to_string(&report).expect("a report always serializes"))
-    })
-    .map_err(|e| to_py_err(py, e))
+fn py_simulate(py: Python<'_>, graph_json: &str, schedule_json: &str) -> PyResult<String> {
+    report_json(py, &parse_graph(py, graph_json)?, schedule_json)
 }
 
 /// `memory_curve(graph_json, schedule_json=None) -> str`: the replay's points as JSON, op by op;
@@ -68,19 +57,134 @@ fn py_simulate(py: Python<'_>, graph_json: String, schedule_json: String) -> PyR
 #[pyo3(name = "memory_curve", signature = (graph_json, schedule_json=None))]
 fn py_memory_curve(
     py: Python<'_>,
-    graph_json: String,
-    schedule_json: Option<String>,
+    graph_json: &str,
+    schedule_json: Option<&str>,
 ) -> PyResult<String> {
+    curve_json(py, &parse_graph(py, graph_json)?, schedule_json)
+}
+
+/// `Graph(graph_json)`: a parsed and validated graph kept in Rust, so that plans, stages and
+/// simulations reuse it; each method is the module's function of the same name on this graph.
+#[pyclass(name = "Graph", module = "remat._core", frozen)]
+struct PyGraph {
+    graph: Graph,
+}
+
+#[pymethods]
+impl PyGraph {
+    #[new]
+    fn new(py: Python<'_>, graph_json: &str) -> PyResult<Self> {
+        let graph = parse_graph(py, graph_json)?;
+        Ok(PyGraph { graph })
+    }
+
+    /// `plan(budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
+    /// schedule JSON.
+    #[pyo3(signature = (budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        budget: u64,
+        solver: &str,
+        time_limit: f64,
+        mip_gap: f64,
+        slots: usize,
+    ) -> PyResult<String> {
+        let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
+        schedule_json(py, &self.graph, budget, &options)
+    }
+
+    /// `stages(solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
+    /// simplified graph, the blocks and their classes with their options, as JSON.
+    #[pyo3(signature = (solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
+    fn stages(
+        &self,
+        py: Python<'_>,
+        solver: &str,
+        time_limit: f64,
+        mip_gap: f64,
+        slots: usize,
+    ) -> PyResult<String> {
+        let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
+        stages_json(py, &self.graph, &options)
+    }
+
+    /// `simulate(schedule_json) -> str`: the report JSON.
+    fn simulate(&self, py: Python<'_>, schedule_json: &str) -> PyResult<String> {
+        report_json(py, &self.graph, schedule_json)
+    }
+
+    /// `memory_curve(schedule_json=None) -> str`: the replay's points as JSON, op by op; without a
+    /// schedule, plain PyTorch's.
+    #[pyo3(signature = (schedule_json=None))]
+    fn memory_curve(&self, py: Python<'_>, schedule_json: Option<&str>) -> PyResult<String> {
+        curve_json(py, &self.graph, schedule_json)
+    }
+
+    /// `budget_range() -> (min_budget, plain_peak)`.
+    fn budget_range(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        budget_range_of(py, &self.graph)
+    }
+
+    /// `to_json() -> str`: the graph file text.
+    fn to_json(&self, py: Python<'_>) -> String {
+        py.detach(|| self.graph.to_json())
+    }
+}
+
+/// The graph in `graph_json`, parsed with the GIL released.
+fn parse_graph(py: Python<'_>, graph_json: &str) -> PyResult<Graph> {
+    py.detach(|| Graph::from_json(graph_json))
+        .map_err(|e| to_py_err(py, e))
+}
+
+/// The schedule JSON of `plan` on `graph`.
+fn schedule_json(
+    py: Python<'_>,
+    graph: &Graph,
+    budget: u64,
+    options: &PlanOptions,
+) -> PyResult<String> {
+    py.detach(|| crate::plan(graph, budget, options).map(|s| s.to_json()))
+        .map_err(|e| to_py_err(py, e))
+}
+
+/// The stages JSON of `stages` on `graph`.
+fn stages_json(py: Python<'_>, graph: &Graph, options: &PlanOptions) -> PyResult<String> {
     py.detach(|| {
-        let graph = Graph::from_json(&graph_json)?;
+        let stages = crate::stages(graph, options)?;
+        Ok(serde_json::to_string(&stages).expect("stages always serialize"))
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
+/// The report JSON of `simulate` on `graph`.
+fn report_json(py: Python<'_>, graph: &Graph, schedule_json: &str) -> PyResult<String> {
+    py.detach(|| {
+        let schedule = Schedule::from_json(schedule_json)?;
+        let report = crate::simulate(graph, &schedule)?;
+        Ok(serde_json::to_string(&report).expect("a report always serializes"))
+    })
+    .map_err(|e| to_py_err(py, e))
+}
+
+/// The points JSON of `memory_curve` on `graph`.
+fn curve_json(py: Python<'_>, graph: &Graph, schedule_json: Option<&str>) -> PyResult<String> {
+    py.detach(|| {
         let schedule = match schedule_json {
-            Some(json) => Schedule::from_json(&json)?,
-            None => crate::store_all(&graph)?,
+            Some(json) => Schedule::from_json(json)?,
+            None => crate::store_all(graph)?,
         };
-        let points = crate::memory_curve(&graph, &schedule)?;
+        let points = crate::memory_curve(graph, &schedule)?;
         Ok(serde_json::to_string(&points).expect("a curve always serializes"))
     })
     .map_err(|e| to_py_err(py, e))
+}
+
+/// `budget_range` on `graph`.
+fn budget_range_of(py: Python<'_>, graph: &Graph) -> PyResult<(u64, u64)> {
+    py.detach(|| crate::budget_range(graph))
+        .map_err(|e| to_py_err(py, e))
 }
 
 /// A budget argument from Python: bytes (an int) or a fraction (a float).
@@ -117,14 +221,13 @@ fn py_parse_budget(py: Python<'_>, text: &str) -> PyResult<Py<PyAny>> {
 /// `budget_range(graph_json) -> (min_budget, plain_peak)`.
 #[pyfunction]
 #[pyo3(name = "budget_range")]
-fn py_budget_range(py: Python<'_>, graph_json: String) -> PyResult<(u64, u64)> {
-    py.detach(|| crate::budget_range(&Graph::from_json(&graph_json)?))
-        .map_err(|e| to_py_err(py, e))
+fn py_budget_range(py: Python<'_>, graph_json: &str) -> PyResult<(u64, u64)> {
+    budget_range_of(py, &parse_graph(py, graph_json)?)
 }
 
 /// `chain_plan(chain_json, mem_limit, slots=500) -> str`: rotor's DP; the chain sequence JSON.
 #[pyfunction]
-#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = crate::DEFAULT_SLOTS))]
+#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = 500))]
 fn py_chain_plan(
     py: Python<'_>,
     chain_json: String,
@@ -140,7 +243,7 @@ fn py_chain_plan(
 
 /// `chain_limits(chain_json, slots=500) -> (min_limit, plain_peak)`.
 #[pyfunction]
-#[pyo3(name = "chain_limits", signature = (chain_json, slots = crate::DEFAULT_SLOTS))]
+#[pyo3(name = "chain_limits", signature = (chain_json, slots = 500))]
 fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult<(u64, u64)> {
     py.detach(|| crate::chain_limits(&Chain::from_json(&chain_json)?, slots))
         .map_err(|e| to_py_err(py, e))
@@ -149,7 +252,7 @@ fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult
 /// `check_options(solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500)`: raises
 /// `remat.ArgumentError` saying what is allowed where a setting is bad.
 #[pyfunction]
-#[pyo3(name = "check_options", signature = (solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = crate::DEFAULT_SLOTS))]
+#[pyo3(name = "check_options", signature = (solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
 fn py_check_options(
     py: Python<'_>,
     solver: &str,
@@ -247,6 +350,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_chain_limits, m)?)?;
     m.add_function(wrap_pyfunction!(py_check_options, m)?)?;
     m.add_function(wrap_pyfunction!(py_register_errors, m)?)?;
+    m.add_class::<PyGraph>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,581 @@
+"""Plan making: a plan of a captured graph within a budget, with room for what the step holds
+outside the graph (the loss), solved in Rust, its phases built, and its plans at smaller sizes
+(``levels``) and the sizes at which the model runs itself (``plain``)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from . import _core, levels, plain, tree
+from .boundary import (
+    LOSS_SCALARS,
+    Outside,
+    differentiable_outputs,
+    estimated_outside,
+    forward_outputs,
+    output_bytes,
+    with_outside,
+)
+from .capture import flatten_inputs, unflatten_inputs
+from .errors import InfeasibleBudget, PlanFileError, RematError
+from .executor import Phases, build_phases, device_of, held_bytes
+from .fit import PlanInputs, measured_peak
+from .graph import JointGraph
+from .inductor import compiled_times
+from .memory import profiler_running
+from .rng import rng_state_bytes
+from .stages import stage
+from .step import Step, input_grads
+from .trace import graph_inputs
+
+if TYPE_CHECKING:
+    from .measure import LossMeasure
+
+Solver = Literal["rockmate", "rotor", "checkmate", "none"]
+
+log = logging.getLogger("remat")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The model and the inputs a plan was made for (grown to its bound), under their autocast state."""
+
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+    def at(self, g: JointGraph, values: tuple[int, ...]) -> tuple[tuple, dict]:
+        """The inputs cut to ``values`` of ``g``'s symbolic sizes (each input's leading part)."""
+        if g.sizes is None:
+            return self.args, self.kwargs
+        return inputs_at(g, self.args, self.kwargs, values)
+
+
+@dataclass(frozen=True)
+class Options:
+    solver: Solver
+    time_limit: float
+    mip_gap: float
+    slots: int
+    compile: bool
+
+
+def resized(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` cut to ``shape`` (its leading part) or repeated up to it along each dimension: its
+    own contiguous storage where the shape changes."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    for d, n in enumerate(shape):
+        if t.shape[d] < n:
+            t = torch.cat([t] * -(-n // t.shape[d]), dim=d)
+        t = t.narrow(d, 0, n)
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def inputs_at(g: JointGraph, args: tuple, kwargs: dict, values: tuple[int, ...]) -> tuple[tuple, dict]:
+    """A call's inputs resized to ``values`` of ``g``'s symbolic sizes (``resized``)."""
+    assert g.sizes is not None
+    c = g.captured
+    shapes = {b.target: ph.meta["val"].shape for ph, b in zip(c.placeholders, c.bindings) if b.kind == "input"}
+    tensors, spec, consts = flatten_inputs(args, kwargs)
+    sized = [resized(t, g.sizes.at(tuple(shapes[i]), values)) if i in shapes else t for i, t in enumerate(tensors)]
+    return unflatten_inputs(spec, consts, sized)
+
+
+@dataclass
+class Plan:
+    graph: JointGraph
+    graph_json: str
+    schedule: dict[str, Any]
+    built: Phases | None  # the phases that run; ``None``: eager ones, built on the first run
+    budget: int
+    plain_peak: int
+    min_budget: int
+    reserve: int  # bytes of the budget held back for RNG states and buffer copies
+    outside: Outside
+    copied: set[int]  # buffers whose pre-step values the backward phase keeps
+    peak: int  # the step's peak: measured for compiled phases (``fit``), else predicted; the reserve included
+    measure: LossMeasure | None = None
+    # Plans of the same graph at smaller values of its symbolic sizes, each with those values (``levels``)
+    levels: list[tuple[tuple[int, ...], Plan]] | None = None
+    # Sizes at or below which the model's own step is measured to fit the budget (``plain``)
+    fitting: list[tuple[int, ...]] | None = None
+
+    def at(self, values: tuple[int, ...]) -> Plan:
+        """The plan to run for a call with ``values`` of the symbolic sizes: of least predicted
+        time among this one and the levels at or above ``values`` in every symbol."""
+        best = self
+        for level, plan in self.levels or ():
+            fits = all(v <= top for v, top in zip(values, level))
+            if fits and plan.schedule["predicted"]["time"] < best.schedule["predicted"]["time"]:
+                best = plan
+        return best
+
+    @property
+    def phases(self) -> Phases:
+        """The phases that run (a level's are built when it first runs: most levels never do)."""
+        if self.built is None:
+            self.built = build_phases(self.graph, self.schedule)
+        return self.built
+
+    @functools.cached_property
+    def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
+        """See ``step.input_grads``."""
+        return input_grads(self.graph)
+
+    def slack(self) -> int:
+        """Bytes of the budget the plan leaves unused."""
+        return self.budget - self.peak
+
+    def held_bytes(self) -> int:
+        """Activation bytes alive between the phases: the outputs and what the backward reads."""
+        return held_bytes(self.graph, self.phases)
+
+    @functools.cached_property
+    def marked_phases(self) -> Phases:
+        """The schedule's phases run eagerly, each op's allocations marked (``plot.measured_curve``)."""
+        return build_phases(self.graph, self.schedule, marked=True)
+
+    def run(
+        self, model: nn.Module, args: tuple, kwargs: dict, values: tuple[int, ...] = (), marked: bool = False
+    ) -> Any:
+        """One call of the step, with ``values`` of the symbolic sizes; ``marked``: through
+        :attr:`marked_phases`."""
+        tensors, _, _ = flatten_inputs(args, kwargs)
+        inputs = graph_inputs(self.graph, model, tensors)
+        vids = list(inputs)
+        phases = self.marked_phases if marked else self.phases
+        outs = Step.apply(self, phases, values, vids, *inputs.values())
+        if self.measure is not None and self.measure.window is not None:
+            self.measure.window.watch(list(outs))
+        elif self.measure is not None and self.measure.learning():
+            self.measure.watch(list(outs))
+        sizes = self.graph.sizes
+        size_of = (lambda x: x) if sizes is None else (lambda x: sizes.at(x, values))
+        return tree.unflatten(self.graph.captured.out_spec, list(outs), size_of)
+
+
+def first_plan(
+    base: JointGraph,
+    budget: int | float,
+    options: Options,
+    inputs: PlanInputs | None = None,
+    learned: Outside | None = None,
+    loss: bool = True,
+) -> Plan:
+    """The plan before a step has measured the loss: room for the estimated loss, or for as much of
+    it as the budget allows; where even none fits, the plan assumes no output gets a gradient or
+    stays held (the loss is inside the model), which the first step checks. ``learned``: the
+    outputs a step gave no gradient and those it released, where no step measures the loss; the
+    estimate over the others is then all remat knows of the loss, and a budget without room for it
+    raises ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of
+    the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
+    estimate = estimated_loss(base, learned, loss)
+    if isinstance(budget, float):  # of the plain step's peak with the estimated loss
+        budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
+    if learned is not None:
+        try:
+            return make_plan(base, estimate, budget, options, inputs)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(exc.budget, exc.min_budget, estimate.loss_bytes, estimated=True) from None
+    if not _fits(base, estimate, budget):
+        if _fits(base, replace(estimate, loss_bytes=0), budget):
+            fits, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
+            while too_big - fits > max(1024, estimate.loss_bytes // 100):
+                room = (fits + too_big) // 2
+                fits, too_big = (
+                    (room, too_big) if _fits(base, replace(estimate, loss_bytes=room), budget) else (fits, room)
+                )
+            estimate = replace(estimate, loss_bytes=fits)
+        else:
+            no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
+            estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
+            if not _fits(base, estimate, budget):
+                estimate = Outside(0, 0, no_grad, released)
+    return make_plan(base, estimate, budget, options, inputs)
+
+
+def profiling_plan(base: JointGraph, budget: int | float, options: Options) -> Plan:
+    """The schedule profiling runs: the first plan from sizes and estimated times, or where those
+    find ``budget`` infeasible, the smallest such plan (the ops' measured temporaries decide the
+    smallest feasible budget, which the error of the plan after profiling names)."""
+    try:
+        return first_plan(base, budget, options)
+    except InfeasibleBudget as exc:
+        return first_plan(base, exc.min_budget, options)
+
+
+def estimated_loss(base: JointGraph, learned: Outside | None, loss: bool) -> Outside:
+    """The estimated loss room over the outputs but ``learned.no_grad``, with ``learned``'s
+    outputs without gradient and released; no room without ``loss``."""
+    no_grad, released = (frozenset(), frozenset()) if learned is None else (learned.no_grad, learned.released)
+    if not loss:
+        return Outside(0, 0, no_grad, released)
+    return estimated_outside(base, no_grad, released)
+
+
+def min_without_loss(base: JointGraph) -> int:
+    no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
+    return min_with(base, Outside(0, 0, no_grad, released))
+
+
+def min_with(base: JointGraph, outside: Outside) -> int:
+    """The smallest budget of ``base`` with ``outside``."""
+    g = with_outside(base, outside)
+    return _core.budget_range(g.to_json())[0] + _reserve(g, None, _buffers_to_copy(g))
+
+
+def _fits(base: JointGraph, outside: Outside, budget: int | float) -> bool:
+    """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
+    g = with_outside(base, outside)
+    min_budget, plain_peak = _core.budget_range(g.to_json())
+    target = _target(budget, min_budget, plain_peak)
+    return target >= plain_peak or min_budget + _reserve(g, None, _buffers_to_copy(g)) <= target
+
+
+def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int:
+    """The budget in bytes: a fraction is of plain PyTorch's peak, ``None`` is that peak."""
+    if budget is None:
+        return max(plain_peak, min_budget)
+    return _core.budget_bytes(budget, plain_peak)
+
+
+def make_plan(
+    base: JointGraph,
+    outside: Outside,
+    budget: int | float | None,
+    options: Options,
+    inputs: PlanInputs | None = None,
+    saved: tuple[dict[str, Any], Path] | None = None,
+) -> Plan:
+    """The plan of ``base`` with ``outside`` within ``budget``: solved, or the schedule of a plan
+    file (``saved``: the schedule and the file), once it replays on the graph within the budget.
+    With ``options.compile`` the ops count Inductor's times (``compiled_times``), and with
+    ``inputs`` the compiled phases are measured (``fit``) and the solver asked again where they
+    hold more than the budget or leave room."""
+    g = with_outside(base, outside)
+    if options.compile:
+        compiled_times(g)
+    graph_json = g.to_json()
+    min_budget, plain_peak = _core.budget_range(graph_json)
+    target = _target(budget, min_budget, plain_peak)
+    copied = _buffers_to_copy(g)
+    most = _reserve(g, None, copied)
+    fit = options.compile and inputs is not None and budget is not None
+    if fit and profiler_running():
+        log.warning("torch.profiler is running: the compiled plan's memory is not measured, only predicted")
+        fit = False
+    if saved is None and fit:
+        assert inputs is not None
+        fitting = (target, plain_peak, copied, most)
+        schedule, held_back, phases, peak = _fitted(g, graph_json, fitting, options, inputs(g), outside.no_grad)
+    else:
+        if saved is None:
+            schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, most, options)
+        else:
+            schedule, path = saved
+            held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
+            schedule = _replayed(graph_json, schedule, path)
+        with stage("build"):
+            phases = build_phases(g, schedule, options.compile)
+        if fit:
+            assert inputs is not None
+            peak = _compiled_peak(g, schedule, phases, inputs(g), outside.no_grad) + held_back
+        else:
+            peak = schedule["predicted"]["peak_bytes"] + held_back
+        if saved is not None and peak > target:
+            raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
+    limits = (target, plain_peak, min_budget + most, held_back)
+    return Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
+
+
+def _replayed(graph_json: str, schedule: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A schedule of the plan file ``path`` with its replay on the graph as its prediction;
+    ``PlanFileError`` where it does not replay."""
+    try:
+        return {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
+    except RematError as exc:
+        raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
+
+
+def plan_levels(
+    g: JointGraph, top: Plan, options: Options, saved: tuple[tuple, Path] | None = None
+) -> list[tuple[tuple[int, ...], Plan]]:
+    """Plans of ``top``'s graph, within its budget, at the levels below its bound (``levels``):
+    along each symbol down to the largest value at which plain PyTorch's step fits. ``saved``:
+    the levels' schedules of a plan file and the file, replayed at their values instead."""
+    sizes = g.sizes
+    assert sizes is not None
+    most = _reserve(g, None, top.copied)
+
+    def at(values: tuple[int, ...]) -> tuple[str, int, int]:
+        graph_json = levels.scaled_json(g, values, levels.loss_ratio(g, values))
+        return (graph_json, *_core.budget_range(graph_json))
+
+    def level(values: tuple[int, ...], graph_json: str, schedule: dict, plain_peak: int, min_budget: int) -> Plan:
+        held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
+        peak = schedule["predicted"]["peak_bytes"] + held_back
+        limits = (top.budget, plain_peak, min_budget + most, held_back)
+        return Plan(g, graph_json, schedule, None, *limits, top.outside, top.copied, peak)
+
+    if saved is not None:
+        found, path = saved
+        out = []
+        for values, schedule in found:
+            graph_json, min_budget, plain_peak = at(values)
+            schedule = _replayed(graph_json, schedule, path)
+            plan = level(values, graph_json, schedule, plain_peak, min_budget)
+            if plan.peak > top.budget:
+                raise PlanFileError(f"a schedule in {path} peaks at {plan.peak} bytes, over {top.budget}; delete it")
+            out.append((values, plan))
+        return out
+
+    out = []
+    for i, chain in enumerate(levels.chains(sizes)):
+        above = sizes.bound
+        for values in chain:
+            graph_json, min_budget, plain_peak = at(values)
+            if plain_peak <= top.budget:  # the largest value where the plain step fits serves all below
+                low, high = values[i], above[i]
+                while high - low > 1:
+                    mid = (low + high) // 2
+                    mid_values = tuple(mid if j == i else v for j, v in enumerate(values))
+                    found = at(mid_values)
+                    if found[2] <= top.budget:
+                        low, (graph_json, min_budget, plain_peak), values = mid, found, mid_values
+                    else:
+                        high = mid
+            try:
+                schedule, _ = _solve(g, graph_json, top.budget, plain_peak, top.copied, most, options)
+            except InfeasibleBudget:
+                continue  # the plan above serves these sizes
+            out.append((values, level(values, graph_json, schedule, plain_peak, min_budget)))
+            if plain_peak <= top.budget:
+                break
+            above = values
+    return out
+
+
+def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tuple[int, ...]]:
+    """The sizes at or below which the model's own step keeps ``plan``'s budget (``plain``),
+    measured where its plain plans are: at the bound where ``plan`` is plain, and at its plain
+    levels, or else below them along their symbols. ``measured_loss``: the loss room the first
+    step measured (at the bound), where larger than the plan's."""
+    g = plan.graph
+    bound = () if g.sizes is None else g.sizes.bound
+    points = [(bound, list(range(len(bound))))] if plan.budget >= plan.plain_peak else []
+    for values, level in plan.levels or ():
+        if level.budget >= level.plain_peak:
+            points.append((values, [i for i, (v, b) in enumerate(zip(values, bound)) if v != b]))
+    if not points:
+        return []
+    room = max(plan.outside.loss_bytes, measured_loss)
+    # What the step that measures may hold meanwhile: the outputs the user keeps, and the loss
+    held = output_bytes(g, frozenset(forward_outputs(g)) - plan.outside.released) + plan.outside.held_bytes
+    t0 = time.perf_counter()
+
+    def fits(values: tuple[int, ...]) -> bool:
+        at = room if g.sizes is None else math.ceil(room * levels.loss_ratio(g, values))
+        args, kwargs = sample.at(g, values)
+        cap = plan.budget - max(at, held)
+        peak = plain.step_peak(sample.model, args, kwargs, plan.outside.no_grad, cap, sample.autocast)
+        return peak is not None and peak + at <= plan.budget
+
+    lowest = tuple(max(2, math.ceil(b * levels.SMALLEST)) for b in bound)
+    fitting = plain.fitting_sizes(points, fits, lowest)
+    if g.sizes is None:
+        where = "at its shape" if fitting else "nowhere"
+    else:
+        where = "; ".join(f"up to {g.sizes.describe(v)}" for v in fitting) or "nowhere"
+    log.info("measured plain PyTorch's step (the model runs itself %s) in %.2f s", where, time.perf_counter() - t0)
+    return fitting
+
+
+# A plan whose predicted recomputation takes longer than this many plain steps is warned of.
+SLOW_RECOMPUTATION = 1.0
+
+
+def warn_if_slow(plan: Plan, options: Options) -> None:
+    """Warns where ``plan`` recomputes more than ``SLOW_RECOMPUTATION`` plain steps' time: a
+    budget near the smallest one, where few schedules fit and the fast ones may not be found."""
+    predicted = plan.schedule["predicted"]
+    recomputed = predicted["recomputed_time"]
+    plain = predicted["time"] - recomputed
+    if recomputed <= SLOW_RECOMPUTATION * plain:
+        return
+    target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
+    where = (target - min_budget) / max(plain_peak - min_budget, 1)
+    found = (
+        f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
+        f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
+        if (plan.schedule.get("solver") or {}).get("status") == "fallback"
+        else "a larger budget runs faster"
+    )
+    warnings.warn(
+        f"remat: the plan for {target} bytes is predicted to spend {recomputed:.3g} s per step recomputing, "
+        f"{recomputed / max(plain, 1e-12):.1f}x the {plain:.3g} s of the step itself: the budget lies {where:.0%} "
+        f"of the way from the smallest one ({min_budget} bytes) to plain PyTorch's peak ({plain_peak} bytes); "
+        f"{found}",
+        stacklevel=3,
+    )
+
+
+# Compiled plans measured at most for one budget.
+FIT_ROUNDS = 3
+# A compiled plan that measures under the budget by more than this share of it is planned again,
+# for the budget raised by what it measures under its prediction.
+FIT_SLACK = 0.03
+# A schedule that runs more compute ops than this many times the graph's nodes is not compiled:
+# Inductor's compile time grows with a phase's ops, and such a step's time is its recomputation,
+# compiled or not. The solvers' plans of the saved graphs (rust/tests/graphs) run their ops at most
+# 1.8 times over, from the smallest budget up; the keep-set schedules below those budgets 7.8 to
+# 34 times (Inductor was still compiling GPT-2 12L's 64,164 ops for 1,891 nodes after 10 minutes
+# on 2 cores).
+MAX_COMPILED_RUNS = 4
+
+
+def _fitted(
+    g: JointGraph,
+    graph_json: str,
+    fitting: tuple[int, int, set[int], int],
+    options: Options,
+    tensors: dict[int, torch.Tensor],
+    no_grad: frozenset[int],
+) -> tuple[dict[str, Any], int, Phases, int]:
+    """A compiled plan whose step peak keeps ``target``, with the bytes held back, its phases and
+    that peak as measured (``fit``). The solver plans for the eager ops, which Inductor fuses and
+    reorders, so it is asked again for the budget moved by what the measurement differs from the
+    prediction by, where the plan goes over or leaves over ``FIT_SLACK`` unused; of the plans that
+    keep the budget, the fastest predicted runs. Where none keeps it, the first schedule runs
+    eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
+    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target,
+    plain PyTorch's peak, the copied buffers and the most bytes held back (``make_plan``)."""
+    target, plain_peak, copied, most = fitting
+    asked, first, best = target, None, None
+    tried: set[str] = set()  # the schedules measured, by their ops
+    for _ in range(FIT_ROUNDS):
+        try:
+            schedule, held_back = _solve(g, graph_json, asked, plain_peak, copied, most, options)
+        except InfeasibleBudget:
+            if first is None:
+                raise
+            break
+        ops = json.dumps([schedule["forward"], schedule["backward"]])
+        if ops in tried:
+            break
+        tried.add(ops)
+        first = first or (schedule, held_back)
+        runs = _runs(schedule) / max(len(g.nodes), 1)
+        if runs > MAX_COMPILED_RUNS:
+            if best is not None:
+                break
+            warnings.warn(
+                f"remat: the plan for {target} bytes runs the graph's ops {runs:.0f} times over: Inductor would "
+                "take many minutes to compile phases that long, so this plan runs eagerly; a larger budget "
+                "gives a plan that compiles",
+                stacklevel=2,
+            )
+            return _eager(g, schedule, held_back)
+        phases = build_phases(g, schedule, compiled=True)
+        peak = _compiled_peak(g, schedule, phases, tensors, no_grad) + held_back
+        if peak <= target:
+            if best is None or schedule["predicted"]["time"] < best[0]["predicted"]["time"]:
+                best = (schedule, held_back, phases, peak)
+            if target - peak <= FIT_SLACK * target or asked >= plain_peak:
+                break
+        asked = min(target + schedule["predicted"]["peak_bytes"] + held_back - peak, plain_peak)
+    if best is not None:
+        return best
+    assert first is not None
+    warnings.warn(
+        f"remat: the compiled phases of every plan tried measure over the budget of {target} bytes "
+        "(Inductor's code holds more than the planned order); this plan runs eagerly",
+        stacklevel=2,
+    )
+    return _eager(g, *first)
+
+
+def _eager(g: JointGraph, schedule: dict[str, Any], held_back: int) -> tuple[dict[str, Any], int, Phases, int]:
+    """``schedule``'s plan with eager phases, at its predicted peak (as ``_fitted`` returns it)."""
+    phases = build_phases(g, schedule, compiled=False)
+    return schedule, held_back, phases, schedule["predicted"]["peak_bytes"] + held_back
+
+
+def _runs(schedule: dict[str, Any]) -> int:
+    """The compute ops of ``schedule``: the graph's nodes and their recomputations."""
+    return sum(op["op"] == "compute" for phase in ("forward", "backward") for op in schedule[phase])
+
+
+def _compiled_peak(
+    g: JointGraph, schedule: dict[str, Any], phases: Phases, tensors: dict[int, torch.Tensor], no_grad: frozenset[int]
+) -> int:
+    """The step peak of ``schedule``'s compiled ``phases``, measured (logged beside the prediction)."""
+    t0 = time.perf_counter()
+    measured = measured_peak(g, schedule, phases, tensors, no_grad)
+    predicted = schedule["predicted"]["peak_bytes"]
+    log.info(
+        "compiled and measured a plan in %.2f s: %d bytes (predicted %d)", time.perf_counter() - t0, measured, predicted
+    )
+    return measured
+
+
+def _solve(
+    g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], most: int, options: Options
+) -> tuple[dict[str, Any], int]:
+    """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
+    replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back for every
+    random node and copied buffer (``most``) whatever the schedule replays: a room that depended
+    on a first schedule's replays would give a lower budget more room where that schedule
+    replayed fewer."""
+    held_back = 0 if target >= plain_peak else most
+    o, room = options, max(target - held_back, 0)
+    with stage(f"solve ({options.solver}, budget {target} bytes)"):
+        try:
+            schedule = json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(target, exc.min_budget + most) from None
+    return schedule, _reserve(g, schedule, copied) if held_back else 0
+
+
+def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:
+    """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
+    ``schedule`` runs more than once (of every random node without a schedule) and the state a
+    replay holds meanwhile, and the pre-step copies of the buffers in ``copied``."""
+    ops = [op for phase in ("forward", "backward") for op in (schedule or {}).get(phase, [])]
+    runs = collections.Counter(op["node"] for op in ops if op["op"] == "compute")
+    replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
+    rng = rng_state_bytes(device_of(replayed[0]), len(replayed)) if replayed else 0
+    return rng + sum(g.values[v].bytes for v in copied)
+
+
+def _buffers_to_copy(g: JointGraph) -> set[int]:
+    """Value ids of the buffers the step updates whose old values a recomputation may need.
+    A batch norm in training mode reads its running statistics only to update them, and the
+    update it makes again is dropped: its buffers need no copy."""
+    c = g.captured
+    mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
+    buffers = {
+        g.value_of[ph]
+        for ph, b in zip(c.placeholders, c.bindings)
+        if b.kind in ("buffer", "input") and b.target in mutated
+    }
+    read_otherwise = {v for n in g.nodes if not _updates_running_stats(n) for v in n.inputs}
+    return buffers & read_otherwise
+
+
+def _updates_running_stats(node) -> bool:
+    fx_node = node.fx_node
+    return fx_node.target is torch.ops.aten._native_batch_norm_legit_functional.default and fx_node.args[5] is True
