@@ -31,11 +31,9 @@ def test_architecture_under_three_budgets(name: str) -> None:
         step = ref.check(rm)
         assert step.peak <= rm.budget + OUTSIDE_MODEL_SLACK, (level, step.peak, rm.budget)
         peaks.append(step.peak)
-        solver = rm.schedule["solver"]
-        predicted = rm.schedule["predicted"]
-        rows.append(
-            (level, rm.budget, predicted["peak_bytes"], step.peak, solver["status"], solver["seconds"], seconds)
-        )
+        solver = rm.schedule.solver
+        predicted = rm.schedule.predicted
+        rows.append((level, rm.budget, predicted.peak_bytes, step.peak, solver.status, solver.seconds, seconds))
 
     nodes = len(unlimited.graph["nodes"])
     budgets = f"{unlimited.min_budget}..{unlimited.plain_peak}"

@@ -76,7 +76,7 @@ def test_backend_through_inductor_gives_eager_gradients_and_buffer_updates():
     _compare(model, torch.compile(model, backend=backend, dynamic=False), x)
     (graph,) = backend.graphs
     assert graph.remat.budget < graph.remat.plain_peak
-    assert any(op["op"] == "compute" for op in graph.remat.schedule["backward"][:20])
+    assert any(op.computes for op in graph.remat.schedule.backward[:20])
 
 
 def test_graph_breaks_share_a_byte_budget():
@@ -93,7 +93,7 @@ def test_graph_breaks_share_a_byte_budget():
     first, second = (g.remat for g in backend.graphs)
     assert first.budget == budget - second._min_budget_estimated(loss=True)  # the last graph keeps room for the loss
     assert second.budget == budget - first.held_bytes
-    assert first.held_bytes + second.schedule["predicted"]["peak_bytes"] <= budget
+    assert first.held_bytes + second.schedule.predicted.peak_bytes <= budget
 
 
 def test_graph_breaks_too_small_a_budget_names_one_that_fits():
@@ -122,7 +122,7 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     assert not [w for w in caught if str(w.message).startswith("remat")]
     first, second = (g.remat for g in backend.graphs)
     assert first._min_budget_estimated(loss=False) + second._min_budget_estimated(loss=True) == info.value.min_budget
-    assert first.held_bytes + second.schedule["predicted"]["peak_bytes"] <= info.value.min_budget
+    assert first.held_bytes + second.schedule.predicted.peak_bytes <= info.value.min_budget
 
 
 def test_symbolic_sizes_plan_once_for_every_length(caplog: pytest.LogCaptureFixture):

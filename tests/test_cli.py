@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -37,12 +36,11 @@ def test_plan_of_a_graph_file_prints_the_summary_and_writes_a_schedule_that_keep
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
     budget = int(lines["budget"].split()[0])
-    graph_json = graph.read_text()
-    assert budget == int(0.8 * remat._core.budget_range(graph_json)[1])
-    schedule = json.loads((tmp_path / "s.json").read_text())
-    report = json.loads(remat._core.simulate(graph_json, json.dumps(schedule)))
-    assert report["peak_bytes"] <= budget
-    assert lines["predicted peak"].startswith(f"{report['peak_bytes']} bytes")
+    planner = remat.planner.Planner(graph.read_text())
+    assert budget == int(0.8 * planner.budget_range()[1])
+    report = planner.simulate(remat.schedule.Schedule.of_json((tmp_path / "s.json").read_text()))
+    assert report.peak_bytes <= budget
+    assert lines["predicted peak"].startswith(f"{report.peak_bytes} bytes")
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -40,7 +40,7 @@ def test_compiled_phases_give_eager_gradients_with_dropout():
     reference.load_state_dict(model.state_dict())
     tokens = torch.randint(512, (2, 64))
     rm = remat.Remat(model, tokens, 0.4, compile=True)
-    assert any(op["op"] == "compute" for op in rm.schedule["backward"][:50])
+    assert any(op.computes for op in rm.schedule.backward[:50])
     for step in range(2):  # the second step runs the plan made for the measured loss
         losses = []
         for runner, m in ((rm, model), (reference, reference)):
@@ -142,7 +142,7 @@ def test_measured_peaks_fall_with_the_budget_over_a_grid(compile: bool) -> None:
         budget = low + (high - low) * k // 7
         rm.set_budget(budget)
         step()  # compiles the new plan's phases
-        predicted = rm.schedule["predicted"]["peak_bytes"] + rm.reserve
+        predicted = rm.schedule.predicted.peak_bytes + rm.reserve
         rows.append((budget, predicted, remat.testing.measure_step(step, keep).peak_bytes))
     print("\nbudget, predicted, measured:", *rows, sep="\n")
     for higher, lower in zip(rows, rows[1:]):
@@ -163,10 +163,10 @@ def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monk
     overshoots = [2**18]
     asked = []
 
-    def measured_over_once(g, schedule, phases, inputs, no_grad):
-        asked.append(schedule["solver"]["budget"])
-        real = measured(g, schedule, phases, inputs, no_grad)
-        return max(real, schedule["predicted"]["peak_bytes"]) + overshoots.pop() if overshoots else real
+    def measured_over_once(g, planner, schedule, phases, inputs, no_grad):
+        asked.append(schedule.solver.budget)
+        real = measured(g, planner, schedule, phases, inputs, no_grad)
+        return max(real, schedule.predicted.peak_bytes) + overshoots.pop() if overshoots else real
 
     monkeypatch.setattr(remat.plans, "measured_peak", measured_over_once)
     torch.manual_seed(0)
@@ -183,12 +183,12 @@ def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_mor
     measured = remat.plans.measured_peak
     asked, times = [], []
 
-    def measured_under_once(g, schedule, phases, inputs, no_grad):
-        asked.append(schedule["solver"]["budget"])
-        times.append(schedule["predicted"]["time"])
-        real = measured(g, schedule, phases, inputs, no_grad)
+    def measured_under_once(g, planner, schedule, phases, inputs, no_grad):
+        asked.append(schedule.solver.budget)
+        times.append(schedule.predicted.time)
+        real = measured(g, planner, schedule, phases, inputs, no_grad)
         # Two of the MLP's 512 KiB activations under: room for another plan whatever the profile.
-        return min(real, schedule["predicted"]["peak_bytes"]) - 2**20 if len(asked) == 1 else real
+        return min(real, schedule.predicted.peak_bytes) - 2**20 if len(asked) == 1 else real
 
     monkeypatch.setattr(remat.plans, "measured_peak", measured_under_once)
     torch.manual_seed(0)
@@ -196,7 +196,7 @@ def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_mor
     rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
     assert len(asked) >= 2 and asked[1] > asked[0], asked
     assert rm._plan.peak <= rm.budget
-    assert rm.schedule["predicted"]["time"] <= times[0]
+    assert rm.schedule.predicted.time <= times[0]
 
 
 def test_compiled_plans_count_inductors_generated_ops_at_a_share_of_their_eager_time():
@@ -252,7 +252,7 @@ def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch)
 
     monkeypatch.setattr(remat.inductor, "_compile", compile)
     rm = _planned_eagerly("times over: Inductor would take many minutes")
-    runs = sum(op["op"] == "compute" for phase in ("forward", "backward") for op in rm.schedule[phase])
+    runs = rm.schedule.runs().total()
     assert runs > len(rm.graph["nodes"])
 
 

@@ -98,9 +98,10 @@ def test_without_dot_the_error_says_how_to_install_it(monkeypatch: pytest.Monkey
 
 def test_bad_solver_settings_are_refused_with_what_is_allowed() -> None:
     model, x = gpt2()
-    rm = remat.Remat(model, x, None)
     with pytest.raises(remat.ArgumentError, match="time_limit must be > 0"):
-        remat._core.stages(rm._plan.graph_json, time_limit=0.0)
+        remat.Remat(model, x, None, time_limit=0.0)
+    with pytest.raises(remat.ArgumentError, match="mip_gap must be finite"):
+        remat.planner.SolverOptions(mip_gap=-1.0)
 
 
 @pytest.mark.parametrize("make", [gpt2, _resnet, _transformer], ids=["gpt2", "resnet18", "transformer"])
@@ -171,10 +172,11 @@ def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_ste
     # the curves drawn: the prediction reaches the plan's peak, and the measured curve, op by op
     # on the same axis, peaks where the whole step measures
     plan = rm._plan
-    planned = remat.plot.predicted_curve(plan.graph_json, plan.schedule)
-    assert max(planned.peaks) == plan.schedule["predicted"]["peak_bytes"]
-    assert planned.recomputed and len(planned.times) == len(plan.schedule["forward"]) + len(plan.schedule["backward"])
-    plain = remat.plot.predicted_curve(plan.graph_json, None)
+    node_times = [n.time for n in plan.graph.nodes]
+    planned = remat.plot.predicted_curve(plan.planner, node_times, plan.schedule)
+    assert max(planned.peaks) == plan.schedule.predicted.peak_bytes
+    assert planned.recomputed and len(planned.times) == len(plan.schedule.ops())
+    plain = remat.plot.predicted_curve(plan.planner, node_times, None)
     assert max(plain.peaks) == rm.plain_peak
     with remat.memory.Allocations() as record:
         rm._marking = True

@@ -85,7 +85,7 @@ def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> No
     masks = {n["outputs"][1] for n in nodes if n["target"] == "aten.native_dropout.default"}
     products = {n["id"] for n in nodes if n["target"] == "aten.mul.Tensor" and masks & set(n["inputs"])}
     assert len(masks) == len(products) == 7
-    computed = [op["node"] for phase in ("forward", "backward") for op in rm.schedule[phase] if op["op"] == "compute"]
+    computed = [op.node for op in rm.schedule.ops() if op.computes]
     draws = [n["id"] for n in nodes if n["target"] == "aten.native_dropout.default"]
     assert all(computed.count(d) == 1 for d in draws)
     assert sum(computed.count(p) > 1 for p in products) >= 1

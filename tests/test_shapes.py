@@ -97,15 +97,15 @@ def test_short_calls_run_plans_for_their_size(monkeypatch: pytest.MonkeyPatch) -
     top = rm._plan
     assert top is not None and top.levels and top.fitting
     short = top.at((4, 16))
-    assert short is not top and short.schedule["predicted"]["recomputed_time"] == 0
-    assert top.schedule["predicted"]["recomputed_time"] > 0
+    assert short is not top and short.schedule.predicted.recomputed_time == 0
+    assert top.schedule.predicted.recomputed_time > 0
     runs = []
     real = remat.plans.Plan.run
     monkeypatch.setattr(remat.plans.Plan, "run", lambda plan, *a, **k: runs.append(plan) or real(plan, *a, **k))
     _same_step(model, rm, model, _tokens(16), exact=True)
     assert runs == [] and _peak(model, rm, _tokens(16), False) <= budget
     _same_step(model, rm, model, _tokens(BOUND))
-    assert runs and runs[-1].schedule["predicted"]["recomputed_time"] > 0
+    assert runs and runs[-1].schedule.predicted.recomputed_time > 0
 
 
 @pytest.mark.parametrize("inside", [False, True], ids=["loss_outside", "loss_inside"])

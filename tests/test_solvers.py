@@ -19,12 +19,12 @@ def test_each_solver_keeps_results_within_budget(solver: str) -> None:
     if solver == "none":
         assert rm.schedule is None
         return
-    assert rm.schedule["solver"]["name"] == solver
+    assert rm.schedule.solver.name == solver
     assert step.peak <= budget + OUTSIDE_MODEL_SLACK, (step.peak, budget)
-    predicted = rm.schedule["predicted"]
+    predicted = rm.schedule.predicted
     print(
-        f"\n{solver}: budget {budget}, predicted {predicted['peak_bytes']} B / {predicted['time']:.4f} s, "
-        f"measured {step.peak} B, status {rm.schedule['solver']['status']}"
+        f"\n{solver}: budget {budget}, predicted {predicted.peak_bytes} B / {predicted.time:.4f} s, "
+        f"measured {step.peak} B, status {rm.schedule.solver.status}"
     )
 
 

@@ -5,26 +5,6 @@ from typing import Literal
 
 __version__: str
 
-def plan(
-    graph_json: str,
-    budget: int,
-    solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
-    time_limit: float = 30.0,
-    mip_gap: float = 0.01,
-    slots: int = 500,
-) -> str:
-    """Schedule of least time whose simulated peak is at most ``budget`` bytes, by ``solver``
-    (``"rockmate"``, ``"rotor"`` or ``"checkmate"``; ``slots``: the memory grid of rotor's DP).
-
-    Raises remat.InfeasibleBudget below the smallest feasible budget, remat.GraphError on a
-    malformed graph. Releases the GIL while solving.
-    """
-
-def simulate(graph_json: str, schedule_json: str) -> str:
-    """Replay a schedule; JSON report with peak_bytes, forward_peak_bytes, backward_peak_bytes,
-    forward_end_bytes, backward_start_bytes, time and recomputed_time.
-    Raises remat.ScheduleError if the schedule is invalid."""
-
 def budget_bytes(budget: int | float, plain_peak: int) -> int:
     """The one budget rule: bytes stay bytes, a fraction in (0, 1] is of ``plain_peak``; anything
     else raises ValueError saying what a budget is."""
@@ -33,30 +13,9 @@ def parse_budget(text: str) -> int | float:
     """``"300000"``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``: bytes (an int); ``"0.4"``: a fraction.
     Raises ValueError otherwise."""
 
-def memory_curve(graph_json: str, schedule_json: str | None = None) -> str:
-    """The replay op by op (plain PyTorch's without a schedule): a JSON list of points with
-    phase, op ("compute" with node, or "free" with value), bytes (alive after the op), peak
-    (with its temporaries) and, for a compute op, run (1 for the first run of its node)."""
-
-def stages(
-    graph_json: str,
-    solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
-    time_limit: float = 30.0,
-    mip_gap: float = 0.01,
-    slots: int = 500,
-) -> str:
-    """The planner's stages as JSON (``remat.graphs``): ``groups`` of the simplified graph (member
-    and allocating node ids, phase, time, temp_bytes, input and output storages), ``storages``
-    (owner value, bytes, producing group), ``blocks`` (forward and backward groups, class) and
-    ``classes`` (anonymized key, blocks, search status, options with their times, saved bytes and
-    peaks). Raises remat.GraphError on a malformed graph."""
-
-def budget_range(graph_json: str) -> tuple[int, int]:
-    """(smallest feasible budget, plain PyTorch's peak) in bytes."""
-
 class Graph:
-    """A graph parsed and validated once, kept in Rust: each method is the module's function of the
-    same name on this graph, and releases the GIL likewise."""
+    """A graph file parsed and validated once, kept in Rust for every plan, stage and replay on it;
+    each method releases the GIL while it works."""
 
     def __init__(self, graph_json: str) -> None:
         """Parses ``graph_json``. Raises remat.GraphError on a malformed graph."""
@@ -69,7 +28,9 @@ class Graph:
         mip_gap: float = 0.01,
         slots: int = 500,
     ) -> str:
-        """Schedule JSON of least time within ``budget`` bytes (``plan``)."""
+        """Schedule JSON of least time whose simulated peak is at most ``budget`` bytes, by
+        ``solver`` (``slots``: the memory grid of the DP over blocks). Raises
+        remat.InfeasibleBudget below the smallest feasible budget."""
 
     def stages(
         self,
@@ -78,13 +39,21 @@ class Graph:
         mip_gap: float = 0.01,
         slots: int = 500,
     ) -> str:
-        """The planner's stages as JSON (``stages``)."""
+        """The planner's stages as JSON (``remat.graphs``): ``groups`` of the simplified graph
+        (member and allocating node ids, phase, time, temp_bytes, input and output storages),
+        ``storages`` (owner value, bytes, producing group), ``blocks`` (forward and backward
+        groups, class) and ``classes`` (anonymized key, blocks, search status, options with their
+        times, saved bytes and peaks)."""
 
     def simulate(self, schedule_json: str) -> str:
-        """Report JSON of replaying a schedule (``simulate``)."""
+        """Replays a schedule: JSON report with peak_bytes, forward_peak_bytes,
+        backward_peak_bytes, forward_end_bytes, backward_start_bytes, time and recomputed_time.
+        Raises remat.ScheduleError if the schedule is invalid."""
 
     def memory_curve(self, schedule_json: str | None = None) -> str:
-        """The replay's points as JSON, op by op (``memory_curve``)."""
+        """The replay op by op (plain PyTorch's without a schedule): a JSON list of points with
+        phase, op ("compute" with node, or "free" with value), bytes (alive after the op), peak
+        (with its temporaries) and, for a compute op, run (1 for the first run of its node)."""
 
     def budget_range(self) -> tuple[int, int]:
         """(smallest feasible budget, plain PyTorch's peak) in bytes."""

@@ -7,7 +7,6 @@ fails, ``CheckError`` lists what failed."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _core, tree
+from . import tree
 from .capture import flatten_inputs
 from .errors import CheckError
 from .graph import JointGraph
@@ -103,12 +102,11 @@ def _check(
         rm.set_budget((rm.min_budget + rm.plain_peak) // 2)
     plan = rm._plan
     assert plan is not None
-    g, graph_json = plan.graph, plan.graph_json
+    g = plan.graph
     problems = invariants(g)
     try:
-        min_budget, plain_peak = _core.budget_range(graph_json)
-        o = rm._options
-        stages = json.loads(_core.stages(graph_json, o.solver, o.time_limit, o.mip_gap, o.slots))
+        min_budget, plain_peak = plan.planner.budget_range()
+        stages = plan.planner.stages(rm._options)
     except Exception as exc:  # the planner refuses the graph: a failure to report, not to hide
         raise CheckError(f"the planner refuses the joint graph: {exc}") from exc
     problems += covering(g, stages)
@@ -224,13 +222,14 @@ def replays(rm: Any) -> list[str]:
     """Whether the current plan's schedule replays in the simulator to its prediction, and its
     op-by-op curve reaches that peak."""
     p = rm._plan
-    report = json.loads(_core.simulate(p.graph_json, json.dumps(p.schedule)))
-    predicted = p.schedule["predicted"]
+    report, predicted = p.planner.simulate(p.schedule), p.schedule.predicted
     problems = [
-        f"the replay's {k} is {report[k]}, predicted {predicted[k]}" for k in report if report[k] != predicted[k]
+        f"the replay's {k} is {getattr(report, k)}, predicted {getattr(predicted, k)}"
+        for k in report.__dataclass_fields__
+        if getattr(report, k) != getattr(predicted, k)
     ]
-    curve = json.loads(_core.memory_curve(p.graph_json, json.dumps(p.schedule)))
-    if max(point["peak"] for point in curve) != report["peak_bytes"]:
+    curve = p.planner.memory_curve(p.schedule)
+    if max(point["peak"] for point in curve) != report.peak_bytes:
         problems.append("the memory curve's peak is not the replay's")
     return problems
 

@@ -24,7 +24,9 @@ from typing import Any
 from . import _core
 from .errors import RematError
 from .graphs import Graphs, JointStage, render
+from .planner import Planner, SolverOptions
 from .plot import plot, predicted_curve
+from .schedule import Schedule
 from .stages import planning, stage
 
 
@@ -34,14 +36,6 @@ def parse_budget(text: str) -> int | float:
         return _core.parse_budget(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-@dataclass
-class _Settings:
-    solver: str
-    time_limit: float
-    mip_gap: float
-    slots: int
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,14 +61,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    settings = _Settings(args.solver, args.time_limit, args.mip_gap, args.slots)
+    settings = SolverOptions(args.solver, args.time_limit, args.mip_gap, args.slots)
     try:
         planned = _planned(args.source, args.budget, settings)
-        g = Graphs.of(planned.joint, planned.graph_json, planned.schedule, planned.budget, settings)
+        g = Graphs.of(planned.joint, planned.planner, planned.schedule, planned.budget, settings)
         if args.command == "plan":
             print(_summary(planned))
             if args.schedule is not None:
-                args.schedule.write_text(json.dumps(planned.schedule))
+                args.schedule.write_text(planned.schedule.to_json())
                 print(f"schedule: {args.schedule}")
             if args.plot is not None:
                 print(f"memory plot: {_plot(planned, args.plot, args.source)}")
@@ -95,33 +89,35 @@ def main(argv: list[str] | None = None) -> int:
 @dataclass
 class _Planned:
     joint: JointStage
-    graph_json: str
-    schedule: dict[str, Any]
+    planner: Planner
+    node_times: list[float]
+    schedule: Schedule
     budget: int | None
     reserve: int
     min_budget: int
     plain_peak: int
 
 
-def _planned(source: str, budget: int | float | None, settings: _Settings) -> _Planned:
+def _planned(source: str, budget: int | float | None, settings: SolverOptions) -> _Planned:
     if source.endswith(".json") and Path(source).is_file():
         return _planned_file(Path(source), budget, settings)
     return _planned_model(source, budget, settings)
 
 
-def _planned_file(path: Path, budget: int | float | None, s: _Settings) -> _Planned:
+def _planned_file(path: Path, budget: int | float | None, s: SolverOptions) -> _Planned:
     graph_json = path.read_text()
     graph = json.loads(graph_json)
     with planning(path.stem, stages=1), stage(f"solve ({s.solver})"):
-        min_budget, plain_peak = _core.budget_range(graph_json)
+        planner = Planner(graph_json)
+        min_budget, plain_peak = planner.budget_range()
         target = plain_peak if budget is None else _core.budget_bytes(budget, plain_peak)
-        schedule = json.loads(_core.plan(graph_json, target, s.solver, s.time_limit, s.mip_gap, s.slots))
-    return _Planned(
-        JointStage(graph), graph_json, schedule, None if budget is None else target, 0, min_budget, plain_peak
-    )
+        schedule = planner.plan(target, s)
+    node_times = [n["time"] for n in graph["nodes"]]
+    budget = None if budget is None else target
+    return _Planned(JointStage(graph), planner, node_times, schedule, budget, 0, min_budget, plain_peak)
 
 
-def _planned_model(source: str, budget: int | float | None, s: _Settings) -> _Planned:
+def _planned_model(source: str, budget: int | float | None, s: SolverOptions) -> _Planned:
     from .module import Remat
 
     model, sample = _factory(source)()
@@ -132,7 +128,8 @@ def _planned_model(source: str, budget: int | float | None, s: _Settings) -> _Pl
     assert p is not None
     return _Planned(
         JointStage.of(p.graph),
-        p.graph_json,
+        p.planner,
+        [n.time for n in p.graph.nodes],
         p.schedule,
         None if budget is None else p.budget,
         p.reserve,
@@ -170,21 +167,20 @@ def _factory(source: str) -> Any:
 
 
 def _summary(p: _Planned) -> str:
-    pred = p.schedule["predicted"]
-    solver = p.schedule.get("solver") or {}
-    peak = pred["peak_bytes"] + p.reserve
+    pred, solver = p.schedule.predicted, p.schedule.solver
+    peak = pred.peak_bytes + p.reserve
     return "\n".join(
         [
             f"budget: {p.budget} bytes ({(p.budget or 0) / 2**20:.2f} MiB)",
             f"smallest budget: {p.min_budget} bytes; plain PyTorch's peak: {p.plain_peak} bytes",
             f"predicted peak: {peak} bytes ({peak / max(p.plain_peak, 1):.0%} of plain)",
-            f"predicted time: {pred['time'] * 1e3:.3f} ms, of which {pred['recomputed_time'] * 1e3:.3f} ms recomputing",
-            f"solver: {solver.get('name', '?')}, {solver.get('status', '?')}",
+            f"predicted time: {pred.time * 1e3:.3f} ms, of which {pred.recomputed_time * 1e3:.3f} ms recomputing",
+            f"solver: {solver.name}, {solver.status}" if solver is not None else "solver: ?",
         ]
     )
 
 
 def _plot(p: _Planned, path: Path, source: str) -> Path:
-    planned = predicted_curve(p.graph_json, p.schedule)
-    plain = predicted_curve(p.graph_json, None)
+    planned = predicted_curve(p.planner, p.node_times, p.schedule)
+    plain = predicted_curve(p.planner, p.node_times, None)
     return plot(path, planned, plain, p.budget, p.reserve, title=f"{source}: predicted")

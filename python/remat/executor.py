@@ -14,7 +14,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,6 +25,7 @@ from .layout import in_layout
 from .memory import Allocations
 from .profile import value_meta
 from .rng import run_with_rng_state, save_rng_state
+from .schedule import Op, Schedule
 from .sizes import map_sizes, symbolic
 
 _INPUT_KINDS = ("param", "buffer", "input")
@@ -48,21 +48,17 @@ class Phases:
     sized: bool = False
 
 
-def build_phases(g: JointGraph, schedule: dict[str, Any], compiled: bool = False, marked: bool = False) -> Phases:
+def build_phases(g: JointGraph, schedule: Schedule, compiled: bool = False, marked: bool = False) -> Phases:
     """The phases of ``schedule``, run eagerly by FX or, ``compiled``, by Inductor (``inductor``).
     ``marked`` (eager only): at its start and after its ``i``-th op, a phase marks the spans
     ``"forward:start"`` and ``"forward:{i}"`` (``"backward:..."``) of a recording
     (``memory.Allocations``), to find each op's allocations."""
-    fwd_ops, bwd_ops = schedule["forward"], schedule["backward"]
-    counts: dict[int, int] = {}
-    for op in fwd_ops + bwd_ops:
-        if op["op"] == "compute":
-            counts[op["node"]] = counts.get(op["node"], 0) + 1
-    replayed = {n for n, c in counts.items() if c > 1 and g.nodes[n].random}
-    bwd_rng = sorted(n for n in replayed if any(op.get("node") == n for op in bwd_ops))
+    fwd_ops, bwd_ops = schedule.forward, schedule.backward
+    replayed = {n for n, c in schedule.runs().items() if c > 1 and g.nodes[n].random}
+    bwd_rng = sorted(n for n in replayed if any(op.node == n for op in bwd_ops))
 
     alive_after_fwd = _alive_after(g, fwd_ops)
-    used_in_bwd = {v for op in bwd_ops if op["op"] == "compute" for v in g.nodes[op["node"]].inputs}
+    used_in_bwd = {v for op in bwd_ops if op.computes for v in g.nodes[op.node].inputs}
     saved = sorted(v for v in alive_after_fwd if g.values[v].kind == "activation" and v in used_in_bwd)
 
     forward_outputs = [v for v, k in g.outputs if k in ("forward", "released", "buffer")]
@@ -90,25 +86,25 @@ def held_bytes(g: JointGraph, phases: Phases) -> int:
     return sum(g.values[v].bytes for v in roots if g.values[v].kind == "activation")
 
 
-def _alive_after(g: JointGraph, ops: list[dict]) -> set[int]:
+def _alive_after(g: JointGraph, ops: tuple[Op, ...]) -> set[int]:
     alive: set[int] = set()
     for op in ops:
-        if op["op"] == "compute":
-            alive.update(g.nodes[op["node"]].outputs)
+        if op.computes:
+            alive.update(g.nodes[op.node].outputs)
         else:
-            alive.discard(op["value"])
+            alive.discard(op.value)
     return alive
 
 
-def _graph_inputs_used(g: JointGraph, ops: list[dict], outputs: list[int]) -> list[int]:
-    used = {v for op in ops if op["op"] == "compute" for v in g.nodes[op["node"]].inputs}
+def _graph_inputs_used(g: JointGraph, ops: tuple[Op, ...], outputs: list[int]) -> list[int]:
+    used = {v for op in ops if op.computes for v in g.nodes[op.node].inputs}
     used.update(outputs)
     return sorted(v for v in used if g.values[v].kind in _INPUT_KINDS + ("tangent",))
 
 
 def _emit(
     g: JointGraph,
-    ops: list[dict],
+    ops: tuple[Op, ...],
     inputs: list[int],
     rng_inputs: list[int],
     outputs: list[int],
@@ -165,11 +161,11 @@ def _emit(
     for i, op in enumerate(ops):
         if mark is not None:
             _call(graph, _mark, (f"{mark}{i - 1}" if i else f"{mark}start",), {}, "mark")
-        if op["op"] == "free":
-            if op["value"] not in outputs:  # a released output is the caller's to drop
-                env.pop(op["value"], None)  # FX frees a value after its last use anyway
+        if not op.computes:
+            if op.value not in outputs:  # a released output is the caller's to drop
+                env.pop(op.value, None)  # FX frees a value after its last use anyway
             continue
-        node = g.nodes[op["node"]]
+        node = g.nodes[op.node]
         args, kwargs = fx.node.map_arg(
             map_sizes((node.fx_node.args, node.fx_node.kwargs), size_of),
             lambda a: a if a.graph is graph else env[g.value_of[a]],  # a size's node is the phase's

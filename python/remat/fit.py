@@ -17,19 +17,18 @@ and for more where it leaves room (``module._fitted``).
 
 from __future__ import annotations
 
-import json
 import weakref
-from typing import Any
 
 import torch
 from torch import nn
 
-from . import _core
 from .amp import no_autocast
 from .boundary import loss_room
 from .executor import Phases, held_bytes
 from .graph import JointGraph
 from .memory import Allocations, peak, storage_ptrs
+from .planner import Planner
+from .schedule import Schedule
 from .trace import graph_inputs, sample_tangents
 
 
@@ -52,11 +51,16 @@ class PlanInputs:
 
 
 def measured_peak(
-    g: JointGraph, schedule: dict[str, Any], phases: Phases, inputs: dict[int, torch.Tensor], no_grad: frozenset[int]
+    g: JointGraph,
+    planner: Planner,
+    schedule: Schedule,
+    phases: Phases,
+    inputs: dict[int, torch.Tensor],
+    no_grad: frozenset[int],
 ) -> int:
     """The step peak of ``schedule``'s compiled ``phases`` (see the module's docstring), in bytes;
     ``no_grad``: the outputs planned without a gradient. Compiles the phases first if need be."""
-    predicted = schedule["predicted"]
+    predicted = schedule.predicted
     devices = sorted({t.device for t in inputs.values() if t.device.type == "cuda"}, key=str)
     sizes = [g.sizes.evaluate(g.sizes.bound)] if phases.sized and g.sizes is not None else []
     with torch.random.fork_rng(devices=devices), torch.no_grad(), no_autocast():
@@ -90,17 +94,17 @@ def measured_peak(
         del grads, held, given
         backward = peak(record.deltas, record.alive_at(ptrs))
     ends = (
-        predicted["forward_end_bytes"] + excess,
-        _loss_peak(g, schedule) + excess,
-        predicted["backward_start_bytes"] + excess + backward,
+        predicted.forward_end_bytes + excess,
+        _loss_peak(g, planner, schedule) + excess,
+        predicted.backward_start_bytes + excess + backward,
     )
     return max(forward, *ends)
 
 
-def _loss_peak(g: JointGraph, schedule: dict[str, Any]) -> int:
+def _loss_peak(g: JointGraph, planner: Planner, schedule: Schedule) -> int:
     """The predicted peak at the loss room's op (0 without a loss room)."""
     rooms = {n.id for n in g.nodes if n.fx_node.target is loss_room}
     if not rooms:
         return 0
-    curve = json.loads(_core.memory_curve(g.to_json(), json.dumps(schedule)))
+    curve = planner.memory_curve(schedule)
     return max((p["peak"] for p in curve if p.get("node") in rooms), default=0)

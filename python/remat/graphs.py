@@ -7,18 +7,18 @@ Pictures are Graphviz's (the ``graphviz`` package and the ``dot`` program)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
-from . import _core
 from .errors import RematError
 from .graph import JointGraph
+from .planner import Planner, SolverOptions
+from .schedule import Schedule
 
 Format = Literal["svg", "png", "pdf"]
 
@@ -292,25 +292,25 @@ class ScheduleStage(Stage):
 
     title = "schedule"
 
-    def __init__(self, joint: JointStage, schedule: dict[str, Any], budget: int | None) -> None:
+    def __init__(self, joint: JointStage, schedule: Schedule, budget: int | None) -> None:
         self.joint = joint
         self.schedule = schedule
         self.budget = budget
 
     def __str__(self) -> str:
-        p = self.schedule["predicted"]
-        runs = _runs(self.schedule)
+        p = self.schedule.predicted
+        runs = self.schedule.runs()
         recomputed = sum(n - 1 for n in runs.values())
         budget = "none" if self.budget is None else f"{self.budget} bytes"
         return (
-            f"{self.title}: budget {budget}, predicted peak {p['peak_bytes']} bytes ({_mib(p['peak_bytes'])}), "
-            f"{_ms(p['time'])} of which {_ms(p['recomputed_time'])} recomputing; {recomputed} recomputations "
+            f"{self.title}: budget {budget}, predicted peak {p.peak_bytes} bytes ({_mib(p.peak_bytes)}), "
+            f"{_ms(p.time)} of which {_ms(p.recomputed_time)} recomputing; {recomputed} recomputations "
             f"of {sum(1 for n in runs.values() if n > 1)} ops"
         )
 
     def dot(self) -> str:
         """The joint graph with the recomputed ops marked (thick red border) and their run counts."""
-        runs = _runs(self.schedule)
+        runs = self.schedule.runs()
         marks = {n: f', color="#d62728", penwidth=3, xlabel="x{k}"' for n, k in runs.items() if k > 1}
         return self.joint.dot(marks=marks, title=self.title)
 
@@ -330,23 +330,13 @@ class Graphs:
 
     @staticmethod
     def of(
-        joint: JointStage, graph_json: str, schedule: dict[str, Any], budget: int | None, options: PlanOptions
+        joint: JointStage, planner: Planner, schedule: Schedule, budget: int | None, options: SolverOptions
     ) -> Graphs:
-        """The stages of a plan of the graph ``graph_json`` (``joint``: its stage)."""
-        o = options
-        stages = json.loads(_core.stages(graph_json, o.solver, o.time_limit, o.mip_gap, o.slots))
+        """The stages of a plan of ``planner``'s graph (``joint``: its stage)."""
+        stages = planner.stages(options)
         simplified = SimplifiedStage(joint, stages)
         blocks, classes = BlocksStage(simplified, stages), ClassesStage(stages)
         return Graphs(joint, simplified, blocks, classes, ScheduleStage(joint, schedule, budget))
-
-
-class PlanOptions(Protocol):
-    """The solver's settings (``Remat``'s)."""
-
-    solver: str
-    time_limit: float
-    mip_gap: float
-    slots: int
 
 
 def render(g: Graphs, name: str | os.PathLike, format: Format = "svg", ops: bool = False) -> list[Path]:
@@ -357,12 +347,6 @@ def render(g: Graphs, name: str | os.PathLike, format: Format = "svg", ops: bool
     if ops:
         stages += [("joint", g.joint), ("schedule", g.schedule)]
     return [stage.render(f"{os.fspath(name)}-{label}.{format}", format) for label, stage in stages]
-
-
-def _runs(schedule: dict[str, Any]) -> Counter:
-    """Node id -> how many times the schedule computes it."""
-    ops = (op for phase in ("forward", "backward") for op in schedule[phase])
-    return Counter(op["node"] for op in ops if op["op"] == "compute")
 
 
 def _header(title: str, rankdir: str = "TB") -> list[str]:

@@ -34,11 +34,11 @@ from .graph import JointGraph
 from .graphs import Graphs, JointStage
 from .measure import LossMeasure
 from .memory import Allocations, storage_ptrs
+from .planner import Solver
 from .plans import (
     Options,
     Plan,
     Sample,
-    Solver,
     estimated_loss,
     first_plan,
     inputs_at,
@@ -53,6 +53,7 @@ from .plans import (
 )
 from .plot import measured_curve, plot, predicted_curve
 from .saved import Saved, fingerprint, load, path_of, save
+from .schedule import Schedule
 from .sizes import Dynamic, Sizes, dynamic_dims
 from .stages import planning, stage
 from .trace import captured, profiled
@@ -142,8 +143,6 @@ class Remat(nn.Module):
         dynamic: Dynamic | None = None,
     ) -> None:
         super().__init__()
-        if solver != "none":
-            _core.check_options(solver, time_limit, mip_gap, slots)
         if compile and solver == "none":
             raise ValueError('compile=True compiles a plan, and solver="none" makes none; use torch.compile(model)')
         if isinstance(dynamic, Mapping) and sample is not None:
@@ -157,7 +156,7 @@ class Remat(nn.Module):
         self._register_load_state_dict_pre_hook(_wrapper_keys)
         self.solver = solver
         self._budget_arg = budget
-        self._options = Options(solver, time_limit, mip_gap, slots, compile)
+        self._options = Options(solver, time_limit, mip_gap, slots, compile)  # checked
         self.max_plans = max_plans
         self.dynamic = True if dynamic is None else dynamic
         self.plan_dir = plan_dir
@@ -338,10 +337,10 @@ class Remat(nn.Module):
     # What was planned, for reports and tests.
     @property
     def graph(self) -> dict[str, Any] | None:
-        return None if self._plan is None else json.loads(self._plan.graph_json)
+        return None if self._plan is None else json.loads(self._plan.planner.to_json())
 
     @property
-    def schedule(self) -> dict[str, Any] | None:
+    def schedule(self) -> Schedule | None:
         return None if self._plan is None else self._plan.schedule
 
     @property
@@ -385,7 +384,7 @@ class Remat(nn.Module):
         if p is None:
             return None
         budget = None if self._budget_arg is None else p.budget
-        return Graphs.of(JointStage.of(p.graph), p.graph_json, p.schedule, budget, self._options)
+        return Graphs.of(JointStage.of(p.graph), p.planner, p.schedule, budget, self._options)
 
     def plot_memory(self, path: str | os.PathLike, step: Callable[[], Any] | None = None) -> Path:
         """Draws the current plan's memory over the step to ``path`` (``.png``, ``.svg`` or ``.pdf``;
@@ -406,8 +405,9 @@ class Remat(nn.Module):
                 self._marking = False
         plan = self._plan
         assert plan is not None
-        planned = predicted_curve(plan.graph_json, plan.schedule)
-        plain = predicted_curve(plan.graph_json, None)
+        node_times = [n.time for n in plan.graph.nodes]
+        planned = predicted_curve(plan.planner, node_times, plan.schedule)
+        plain = predicted_curve(plan.planner, node_times, None)
         if step is not None:
             grads = record.alive_at(storage_ptrs(p.grad for p in self.model.parameters()))
             measured = measured_curve(record, planned, grads)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import logging
 import math
 import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,15 +34,15 @@ from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
 from .inductor import compiled_times
 from .memory import profiler_running
+from .planner import Planner, SolverOptions
 from .rng import rng_state_bytes
+from .schedule import Schedule
 from .stages import stage
 from .step import Step, input_grads
 from .trace import graph_inputs
 
 if TYPE_CHECKING:
     from .measure import LossMeasure
-
-Solver = Literal["rockmate", "rotor", "checkmate", "none"]
 
 log = logging.getLogger("remat")
 
@@ -65,12 +64,10 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class Options:
-    solver: Solver
-    time_limit: float
-    mip_gap: float
-    slots: int
-    compile: bool
+class Options(SolverOptions):
+    """``Remat``'s settings: the solver's, and whether the phases run through Inductor."""
+
+    compile: bool = False
 
 
 def resized(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -98,8 +95,8 @@ def inputs_at(g: JointGraph, args: tuple, kwargs: dict, values: tuple[int, ...])
 @dataclass
 class Plan:
     graph: JointGraph
-    graph_json: str
-    schedule: dict[str, Any]
+    planner: Planner  # the graph planned (at a level's values, scaled: ``levels``)
+    schedule: Schedule
     built: Phases | None  # the phases that run; ``None``: eager ones, built on the first run
     budget: int
     plain_peak: int
@@ -120,7 +117,7 @@ class Plan:
         best = self
         for level, plan in self.levels or ():
             fits = all(v <= top for v, top in zip(values, level))
-            if fits and plan.schedule["predicted"]["time"] < best.schedule["predicted"]["time"]:
+            if fits and plan.schedule.predicted.time < best.schedule.predicted.time:
                 best = plan
         return best
 
@@ -185,7 +182,7 @@ def first_plan(
     the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
     estimate = estimated_loss(base, learned, loss)
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
-        budget = _target(budget, *_core.budget_range(with_outside(base, estimate).to_json()))
+        budget = _target(budget, *_planner(with_outside(base, estimate)).budget_range())
     if learned is not None:
         try:
             return make_plan(base, estimate, budget, options, inputs)
@@ -235,13 +232,13 @@ def min_without_loss(base: JointGraph) -> int:
 def min_with(base: JointGraph, outside: Outside) -> int:
     """The smallest budget of ``base`` with ``outside``."""
     g = with_outside(base, outside)
-    return _core.budget_range(g.to_json())[0] + _reserve(g, None, _buffers_to_copy(g))
+    return _planner(g).budget_range()[0] + _reserve(g, None, _buffers_to_copy(g))
 
 
 def _fits(base: JointGraph, outside: Outside, budget: int | float) -> bool:
     """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
     g = with_outside(base, outside)
-    min_budget, plain_peak = _core.budget_range(g.to_json())
+    min_budget, plain_peak = _planner(g).budget_range()
     target = _target(budget, min_budget, plain_peak)
     return target >= plain_peak or min_budget + _reserve(g, None, _buffers_to_copy(g)) <= target
 
@@ -259,7 +256,7 @@ def make_plan(
     budget: int | float | None,
     options: Options,
     inputs: PlanInputs | None = None,
-    saved: tuple[dict[str, Any], Path] | None = None,
+    saved: tuple[Schedule, Path] | None = None,
 ) -> Plan:
     """The plan of ``base`` with ``outside`` within ``budget``: solved, or the schedule of a plan
     file (``saved``: the schedule and the file), once it replays on the graph within the budget.
@@ -269,8 +266,8 @@ def make_plan(
     g = with_outside(base, outside)
     if options.compile:
         compiled_times(g)
-    graph_json = g.to_json()
-    min_budget, plain_peak = _core.budget_range(graph_json)
+    planner = _planner(g)
+    min_budget, plain_peak = planner.budget_range()
     target = _target(budget, min_budget, plain_peak)
     copied = _buffers_to_copy(g)
     most = _reserve(g, None, copied)
@@ -281,32 +278,36 @@ def make_plan(
     if saved is None and fit:
         assert inputs is not None
         fitting = (target, plain_peak, copied, most)
-        schedule, held_back, phases, peak = _fitted(g, graph_json, fitting, options, inputs(g), outside.no_grad)
+        schedule, held_back, phases, peak = _fitted(g, planner, fitting, options, inputs(g), outside.no_grad)
     else:
         if saved is None:
-            schedule, held_back = _solve(g, graph_json, target, plain_peak, copied, most, options)
+            schedule, held_back = _solve(g, planner, target, plain_peak, copied, most, options)
         else:
             schedule, path = saved
             held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
-            schedule = _replayed(graph_json, schedule, path)
+            schedule = _replayed(planner, schedule, path)
         with stage("build"):
             phases = build_phases(g, schedule, options.compile)
         if fit:
             assert inputs is not None
-            peak = _compiled_peak(g, schedule, phases, inputs(g), outside.no_grad) + held_back
+            peak = _compiled_peak(g, planner, schedule, phases, inputs(g), outside.no_grad) + held_back
         else:
-            peak = schedule["predicted"]["peak_bytes"] + held_back
+            peak = schedule.predicted.peak_bytes + held_back
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
-    return Plan(g, graph_json, schedule, phases, *limits, outside, copied, peak)
+    return Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
 
 
-def _replayed(graph_json: str, schedule: dict[str, Any], path: Path) -> dict[str, Any]:
+def _planner(g: JointGraph) -> Planner:
+    return Planner(g.to_json())
+
+
+def _replayed(planner: Planner, schedule: Schedule, path: Path) -> Schedule:
     """A schedule of the plan file ``path`` with its replay on the graph as its prediction;
     ``PlanFileError`` where it does not replay."""
     try:
-        return {**schedule, "predicted": json.loads(_core.simulate(graph_json, json.dumps(schedule)))}
+        return schedule.with_prediction(planner.simulate(schedule))
     except RematError as exc:
         raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
 
@@ -321,23 +322,22 @@ def plan_levels(
     assert sizes is not None
     most = _reserve(g, None, top.copied)
 
-    def at(values: tuple[int, ...]) -> tuple[str, int, int]:
-        graph_json = levels.scaled_json(g, values, levels.loss_ratio(g, values))
-        return (graph_json, *_core.budget_range(graph_json))
+    def at(values: tuple[int, ...]) -> tuple[Planner, int, int]:
+        planner = Planner(levels.scaled_json(g, values, levels.loss_ratio(g, values)))
+        return (planner, *planner.budget_range())
 
-    def level(values: tuple[int, ...], graph_json: str, schedule: dict, plain_peak: int, min_budget: int) -> Plan:
+    def level(planner: Planner, schedule: Schedule, plain_peak: int, min_budget: int) -> Plan:
         held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
-        peak = schedule["predicted"]["peak_bytes"] + held_back
+        peak = schedule.predicted.peak_bytes + held_back
         limits = (top.budget, plain_peak, min_budget + most, held_back)
-        return Plan(g, graph_json, schedule, None, *limits, top.outside, top.copied, peak)
+        return Plan(g, planner, schedule, None, *limits, top.outside, top.copied, peak)
 
     if saved is not None:
         found, path = saved
         out = []
         for values, schedule in found:
-            graph_json, min_budget, plain_peak = at(values)
-            schedule = _replayed(graph_json, schedule, path)
-            plan = level(values, graph_json, schedule, plain_peak, min_budget)
+            planner, min_budget, plain_peak = at(values)
+            plan = level(planner, _replayed(planner, schedule, path), plain_peak, min_budget)
             if plan.peak > top.budget:
                 raise PlanFileError(f"a schedule in {path} peaks at {plan.peak} bytes, over {top.budget}; delete it")
             out.append((values, plan))
@@ -347,7 +347,7 @@ def plan_levels(
     for i, chain in enumerate(levels.chains(sizes)):
         above = sizes.bound
         for values in chain:
-            graph_json, min_budget, plain_peak = at(values)
+            planner, min_budget, plain_peak = at(values)
             if plain_peak <= top.budget:  # the largest value where the plain step fits serves all below
                 low, high = values[i], above[i]
                 while high - low > 1:
@@ -355,14 +355,14 @@ def plan_levels(
                     mid_values = tuple(mid if j == i else v for j, v in enumerate(values))
                     found = at(mid_values)
                     if found[2] <= top.budget:
-                        low, (graph_json, min_budget, plain_peak), values = mid, found, mid_values
+                        low, (planner, min_budget, plain_peak), values = mid, found, mid_values
                     else:
                         high = mid
             try:
-                schedule, _ = _solve(g, graph_json, top.budget, plain_peak, top.copied, most, options)
+                schedule, _ = _solve(g, planner, top.budget, plain_peak, top.copied, most, options)
             except InfeasibleBudget:
                 continue  # the plan above serves these sizes
-            out.append((values, level(values, graph_json, schedule, plain_peak, min_budget)))
+            out.append((values, level(planner, schedule, plain_peak, min_budget)))
             if plain_peak <= top.budget:
                 break
             above = values
@@ -411,9 +411,9 @@ SLOW_RECOMPUTATION = 1.0
 def warn_if_slow(plan: Plan, options: Options) -> None:
     """Warns where ``plan`` recomputes more than ``SLOW_RECOMPUTATION`` plain steps' time: a
     budget near the smallest one, where few schedules fit and the fast ones may not be found."""
-    predicted = plan.schedule["predicted"]
-    recomputed = predicted["recomputed_time"]
-    plain = predicted["time"] - recomputed
+    predicted = plan.schedule.predicted
+    recomputed = predicted.recomputed_time
+    plain = predicted.time - recomputed
     if recomputed <= SLOW_RECOMPUTATION * plain:
         return
     target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
@@ -421,7 +421,7 @@ def warn_if_slow(plan: Plan, options: Options) -> None:
     found = (
         f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
         f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
-        if (plan.schedule.get("solver") or {}).get("status") == "fallback"
+        if plan.schedule.solver is not None and plan.schedule.solver.status == "fallback"
         else "a larger budget runs faster"
     )
     warnings.warn(
@@ -449,7 +449,7 @@ MAX_COMPILED_RUNS = 4
 
 def _fitted(
     g: JointGraph,
-    graph_json: str,
+    planner: Planner,
     fitting: tuple[int, int, set[int], int],
     options: Options,
     tensors: dict[int, torch.Tensor],
@@ -465,20 +465,20 @@ def _fitted(
     plain PyTorch's peak, the copied buffers and the most bytes held back (``make_plan``)."""
     target, plain_peak, copied, most = fitting
     asked, first, best = target, None, None
-    tried: set[str] = set()  # the schedules measured, by their ops
+    tried: set[tuple] = set()  # the schedules measured, by their ops
     for _ in range(FIT_ROUNDS):
         try:
-            schedule, held_back = _solve(g, graph_json, asked, plain_peak, copied, most, options)
+            schedule, held_back = _solve(g, planner, asked, plain_peak, copied, most, options)
         except InfeasibleBudget:
             if first is None:
                 raise
             break
-        ops = json.dumps([schedule["forward"], schedule["backward"]])
+        ops = (schedule.forward, schedule.backward)
         if ops in tried:
             break
         tried.add(ops)
         first = first or (schedule, held_back)
-        runs = _runs(schedule) / max(len(g.nodes), 1)
+        runs = schedule.runs().total() / max(len(g.nodes), 1)
         if runs > MAX_COMPILED_RUNS:
             if best is not None:
                 break
@@ -490,13 +490,13 @@ def _fitted(
             )
             return _eager(g, schedule, held_back)
         phases = build_phases(g, schedule, compiled=True)
-        peak = _compiled_peak(g, schedule, phases, tensors, no_grad) + held_back
+        peak = _compiled_peak(g, planner, schedule, phases, tensors, no_grad) + held_back
         if peak <= target:
-            if best is None or schedule["predicted"]["time"] < best[0]["predicted"]["time"]:
+            if best is None or schedule.predicted.time < best[0].predicted.time:
                 best = (schedule, held_back, phases, peak)
             if target - peak <= FIT_SLACK * target or asked >= plain_peak:
                 break
-        asked = min(target + schedule["predicted"]["peak_bytes"] + held_back - peak, plain_peak)
+        asked = min(target + schedule.predicted.peak_bytes + held_back - peak, plain_peak)
     if best is not None:
         return best
     assert first is not None
@@ -508,24 +508,24 @@ def _fitted(
     return _eager(g, *first)
 
 
-def _eager(g: JointGraph, schedule: dict[str, Any], held_back: int) -> tuple[dict[str, Any], int, Phases, int]:
+def _eager(g: JointGraph, schedule: Schedule, held_back: int) -> tuple[Schedule, int, Phases, int]:
     """``schedule``'s plan with eager phases, at its predicted peak (as ``_fitted`` returns it)."""
     phases = build_phases(g, schedule, compiled=False)
-    return schedule, held_back, phases, schedule["predicted"]["peak_bytes"] + held_back
-
-
-def _runs(schedule: dict[str, Any]) -> int:
-    """The compute ops of ``schedule``: the graph's nodes and their recomputations."""
-    return sum(op["op"] == "compute" for phase in ("forward", "backward") for op in schedule[phase])
+    return schedule, held_back, phases, schedule.predicted.peak_bytes + held_back
 
 
 def _compiled_peak(
-    g: JointGraph, schedule: dict[str, Any], phases: Phases, tensors: dict[int, torch.Tensor], no_grad: frozenset[int]
+    g: JointGraph,
+    planner: Planner,
+    schedule: Schedule,
+    phases: Phases,
+    tensors: dict[int, torch.Tensor],
+    no_grad: frozenset[int],
 ) -> int:
     """The step peak of ``schedule``'s compiled ``phases``, measured (logged beside the prediction)."""
     t0 = time.perf_counter()
-    measured = measured_peak(g, schedule, phases, tensors, no_grad)
-    predicted = schedule["predicted"]["peak_bytes"]
+    measured = measured_peak(g, planner, schedule, phases, tensors, no_grad)
+    predicted = schedule.predicted.peak_bytes
     log.info(
         "compiled and measured a plan in %.2f s: %d bytes (predicted %d)", time.perf_counter() - t0, measured, predicted
     )
@@ -533,29 +533,27 @@ def _compiled_peak(
 
 
 def _solve(
-    g: JointGraph, graph_json: str, target: int, plain_peak: int, copied: set[int], most: int, options: Options
-) -> tuple[dict[str, Any], int]:
+    g: JointGraph, planner: Planner, target: int, plain_peak: int, copied: set[int], most: int, options: Options
+) -> tuple[Schedule, int]:
     """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
     replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back for every
     random node and copied buffer (``most``) whatever the schedule replays: a room that depended
     on a first schedule's replays would give a lower budget more room where that schedule
     replayed fewer."""
     held_back = 0 if target >= plain_peak else most
-    o, room = options, max(target - held_back, 0)
     with stage(f"solve ({options.solver}, budget {target} bytes)"):
         try:
-            schedule = json.loads(_core.plan(graph_json, room, o.solver, o.time_limit, o.mip_gap, o.slots))
+            schedule = planner.plan(max(target - held_back, 0), options)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(target, exc.min_budget + most) from None
     return schedule, _reserve(g, schedule, copied) if held_back else 0
 
 
-def _reserve(g: JointGraph, schedule: dict[str, Any] | None, copied: set[int]) -> int:
+def _reserve(g: JointGraph, schedule: Schedule | None, copied: set[int]) -> int:
     """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
     ``schedule`` runs more than once (of every random node without a schedule) and the state a
     replay holds meanwhile, and the pre-step copies of the buffers in ``copied``."""
-    ops = [op for phase in ("forward", "backward") for op in (schedule or {}).get(phase, [])]
-    runs = collections.Counter(op["node"] for op in ops if op["op"] == "compute")
+    runs = collections.Counter() if schedule is None else schedule.runs()
     replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
     rng = rng_state_bytes(device_of(replayed[0]), len(replayed)) if replayed else 0
     return rng + sum(g.values[v].bytes for v in copied)

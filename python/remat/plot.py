@@ -6,15 +6,14 @@ order), so recomputations also show what they cost. Drawn with matplotlib."""
 from __future__ import annotations
 
 import bisect
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from . import _core
 from .errors import RematError
 from .memory import Allocations
+from .planner import Planner
+from .schedule import Schedule
 
 
 @dataclass
@@ -28,10 +27,10 @@ class Curve:
     forward_ops: int  # the first ``forward_ops`` points are the forward phase's
 
 
-def predicted_curve(graph_json: str, schedule: dict[str, Any] | None) -> Curve:
-    """The simulator's replay of ``schedule`` (plain PyTorch's where ``None``) on the graph."""
-    points = json.loads(_core.memory_curve(graph_json, None if schedule is None else json.dumps(schedule)))
-    node_times = [n["time"] for n in json.loads(graph_json)["nodes"]]
+def predicted_curve(planner: Planner, node_times: list[float], schedule: Schedule | None) -> Curve:
+    """The simulator's replay of ``schedule`` (plain PyTorch's where ``None``) on ``planner``'s
+    graph, whose nodes take ``node_times``."""
+    points = planner.memory_curve(schedule)
     times, t = [], 0.0
     for p in points:
         if p["op"] == "compute":

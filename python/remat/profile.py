@@ -27,6 +27,7 @@ from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
 from .memory import Allocations, peak, profiler_running
+from .schedule import Op, Schedule
 from .sizes import map_sizes
 
 log = logging.getLogger("remat")
@@ -81,7 +82,7 @@ def profile(
     g: JointGraph,
     inputs: dict[int, torch.Tensor],
     tangents: dict[int, torch.Tensor | None],
-    schedule: dict[str, Any] | None = None,
+    schedule: Schedule | None = None,
     repeats: int = 3,
 ) -> None:
     """Run ``g`` on real tensors (``inputs``: graph input value id -> tensor; ``tangents``: the
@@ -121,19 +122,19 @@ def profile(
                 g.nodes[node_id].temp_bytes += temp
 
 
-def _ops(g: JointGraph, schedule: dict[str, Any] | None) -> tuple[list[dict], list[dict]]:
+def _ops(g: JointGraph, schedule: Schedule | None) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
     """The forward and backward ops to run: the schedule's, or plain order with frees."""
     if schedule is not None:
-        return schedule["forward"], schedule["backward"]
+        return schedule.forward, schedule.backward
     last_use = {v: i for i, node in enumerate(g.nodes) for v in (*node.inputs, *node.outputs)}
-    phases: dict[str, list[dict]] = {"forward": [], "backward": []}
+    phases: dict[str, list[Op]] = {"forward": [], "backward": []}
     for i, node in enumerate(g.nodes):
         ops = phases[node.phase]
-        ops.append({"op": "compute", "node": node.id})
+        ops.append(Op("compute", node=node.id))
         for vid in dict.fromkeys((*node.inputs, *node.outputs)):
             if last_use[vid] == i and g.values[vid].kind == "activation":
-                ops.append({"op": "free", "value": vid})
-    return phases["forward"], phases["backward"]
+                ops.append(Op("free", value=vid))
+    return tuple(phases["forward"]), tuple(phases["backward"])
 
 
 class _Run:
@@ -155,7 +156,7 @@ class _Run:
         read = {v for n in g.nodes for v in n.inputs}
         self.unread_grads = self.grads - read
 
-    def all(self, inputs: dict, tangents: dict, forward: list[dict], backward: list[dict]) -> None:
+    def all(self, inputs: dict, tangents: dict, forward: tuple[Op, ...], backward: tuple[Op, ...]) -> None:
         """Run the forward ops on ``inputs``, then the backward ops with ``tangents``."""
         for vid, t in inputs.items():
             self.hold(vid, t, count=False)
@@ -184,12 +185,12 @@ class _Run:
         if not self.holders[ptr]:  # the storage is released: its address may be reused
             self.owner_of.pop(ptr, None)
 
-    def ops(self, ops: list[dict]) -> None:
+    def ops(self, ops: tuple[Op, ...]) -> None:
         for op in ops:
-            if op["op"] == "free":
-                self.drop(op["value"])
+            if op.computes:
+                self.compute(self.g.nodes[op.node])
             else:
-                self.compute(self.g.nodes[op["node"]])
+                self.drop(op.value)
 
     def compute(self, node) -> None:
         g, env = self.g, self.env

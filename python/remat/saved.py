@@ -18,13 +18,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .boundary import Outside
 from .errors import PlanFileError
 from .graph import JointGraph
+from .schedule import Schedule
 
 SCHEMA = "remat.plan_file"
 VERSION = 2
@@ -58,9 +58,9 @@ class Saved:
 
     outside: Outside
     measured: bool  # a training step measured ``outside``
-    schedule: dict[str, Any]
+    schedule: Schedule
     # the schedules at smaller values of a symbolic graph's sizes, with those values (``levels``)
-    levels: tuple[tuple[tuple[int, ...], dict[str, Any]], ...] = ()
+    levels: tuple[tuple[tuple[int, ...], Schedule], ...] = ()
 
 
 def save(path: Path, fp: str, base: JointGraph, saved: Saved) -> None:
@@ -81,8 +81,8 @@ def save(path: Path, fp: str, base: JointGraph, saved: Saved) -> None:
         },
         "outside": [o.loss_bytes, o.held_bytes, sorted(o.no_grad), sorted(o.released)],
         "measured": saved.measured,
-        "schedule": saved.schedule,
-        "levels": [[list(values), schedule] for values, schedule in saved.levels],
+        "schedule": saved.schedule.to_dict(),
+        "levels": [[list(values), schedule.to_dict()] for values, schedule in saved.levels],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -115,8 +115,8 @@ def load(path: Path, fp: str, base: JointGraph) -> Saved:
             v.alias_of = None if owner is None else ids[owner]
         loss, held, no_grad, released = data["outside"]
         outside = Outside(loss, held, frozenset(no_grad), frozenset(released))
-        levels = tuple((tuple(int(x) for x in values), schedule) for values, schedule in data["levels"])
-        return Saved(outside, bool(data["measured"]), data["schedule"], levels)
+        levels = tuple((tuple(int(x) for x in values), Schedule.of_dict(s)) for values, s in data["levels"])
+        return Saved(outside, bool(data["measured"]), Schedule.of_dict(data["schedule"]), levels)
     except (KeyError, TypeError, ValueError) as exc:
         why = f"{type(exc).__name__}: {exc}"
         raise PlanFileError(f"{path} does not fit the graph of {base.name} ({why}); {fix}") from None

@@ -11,60 +11,8 @@ use pyo3::types::PyType;
 // `__text_signature__` (which `inspect.signature` and the stub test read) but a path as `...`.
 const _: () = assert!(crate::DEFAULT_SLOTS == 500);
 
-/// `plan(graph_json, budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`:
-/// the schedule JSON.
-#[pyfunction]
-#[pyo3(name = "plan", signature = (graph_json, budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
-fn py_plan(
-    py: Python<'_>,
-    graph_json: &str,
-    budget: u64,
-    solver: &str,
-    time_limit: f64,
-    mip_gap: f64,
-    slots: usize,
-) -> PyResult<String> {
-    let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-    schedule_json(py, &parse_graph(py, graph_json)?, budget, &options)
-}
-
-/// `stages(graph_json, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
-/// simplified graph, the blocks and their classes with their options, as JSON.
-#[pyfunction]
-#[pyo3(name = "stages", signature = (graph_json, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
-fn py_stages(
-    py: Python<'_>,
-    graph_json: &str,
-    solver: &str,
-    time_limit: f64,
-    mip_gap: f64,
-    slots: usize,
-) -> PyResult<String> {
-    let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-    stages_json(py, &parse_graph(py, graph_json)?, &options)
-}
-
-/// `simulate(graph_json, schedule_json) -> str`: the report JSON.
-#[pyfunction]
-#[pyo3(name = "simulate")]
-fn py_simulate(py: Python<'_>, graph_json: &str, schedule_json: &str) -> PyResult<String> {
-    report_json(py, &parse_graph(py, graph_json)?, schedule_json)
-}
-
-/// `memory_curve(graph_json, schedule_json=None) -> str`: the replay's points as JSON, op by op;
-/// without a schedule, plain PyTorch's.
-#[pyfunction]
-#[pyo3(name = "memory_curve", signature = (graph_json, schedule_json=None))]
-fn py_memory_curve(
-    py: Python<'_>,
-    graph_json: &str,
-    schedule_json: Option<&str>,
-) -> PyResult<String> {
-    curve_json(py, &parse_graph(py, graph_json)?, schedule_json)
-}
-
 /// `Graph(graph_json)`: a parsed and validated graph kept in Rust, so that plans, stages and
-/// simulations reuse it; each method is the module's function of the same name on this graph.
+/// simulations reuse it.
 #[pyclass(name = "Graph", module = "remat._core", frozen)]
 struct PyGraph {
     graph: Graph,
@@ -91,7 +39,8 @@ impl PyGraph {
         slots: usize,
     ) -> PyResult<String> {
         let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-        schedule_json(py, &self.graph, budget, &options)
+        py.detach(|| crate::plan(&self.graph, budget, &options).map(|s| s.to_json()))
+            .map_err(|e| to_py_err(py, e))
     }
 
     /// `stages(solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
@@ -106,24 +55,42 @@ impl PyGraph {
         slots: usize,
     ) -> PyResult<String> {
         let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-        stages_json(py, &self.graph, &options)
+        py.detach(|| {
+            let stages = crate::stages(&self.graph, &options)?;
+            Ok(serde_json::to_string(&stages).expect("stages always serialize"))
+        })
+        .map_err(|e| to_py_err(py, e))
     }
 
     /// `simulate(schedule_json) -> str`: the report JSON.
     fn simulate(&self, py: Python<'_>, schedule_json: &str) -> PyResult<String> {
-        report_json(py, &self.graph, schedule_json)
+        py.detach(|| {
+            let schedule = Schedule::from_json(schedule_json)?;
+            let report = crate::simulate(&self.graph, &schedule)?;
+            Ok(serde_json::to_string(&report).expect("a report always serializes"))
+        })
+        .map_err(|e| to_py_err(py, e))
     }
 
     /// `memory_curve(schedule_json=None) -> str`: the replay's points as JSON, op by op; without a
     /// schedule, plain PyTorch's.
     #[pyo3(signature = (schedule_json=None))]
     fn memory_curve(&self, py: Python<'_>, schedule_json: Option<&str>) -> PyResult<String> {
-        curve_json(py, &self.graph, schedule_json)
+        py.detach(|| {
+            let schedule = match schedule_json {
+                Some(json) => Schedule::from_json(json)?,
+                None => crate::store_all(&self.graph)?,
+            };
+            let points = crate::memory_curve(&self.graph, &schedule)?;
+            Ok(serde_json::to_string(&points).expect("a curve always serializes"))
+        })
+        .map_err(|e| to_py_err(py, e))
     }
 
     /// `budget_range() -> (min_budget, plain_peak)`.
     fn budget_range(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
-        budget_range_of(py, &self.graph)
+        py.detach(|| crate::budget_range(&self.graph))
+            .map_err(|e| to_py_err(py, e))
     }
 
     /// `to_json() -> str`: the graph file text.
@@ -135,55 +102,6 @@ impl PyGraph {
 /// The graph in `graph_json`, parsed with the GIL released.
 fn parse_graph(py: Python<'_>, graph_json: &str) -> PyResult<Graph> {
     py.detach(|| Graph::from_json(graph_json))
-        .map_err(|e| to_py_err(py, e))
-}
-
-/// The schedule JSON of `plan` on `graph`.
-fn schedule_json(
-    py: Python<'_>,
-    graph: &Graph,
-    budget: u64,
-    options: &PlanOptions,
-) -> PyResult<String> {
-    py.detach(|| crate::plan(graph, budget, options).map(|s| s.to_json()))
-        .map_err(|e| to_py_err(py, e))
-}
-
-/// The stages JSON of `stages` on `graph`.
-fn stages_json(py: Python<'_>, graph: &Graph, options: &PlanOptions) -> PyResult<String> {
-    py.detach(|| {
-        let stages = crate::stages(graph, options)?;
-        Ok(serde_json::to_string(&stages).expect("stages always serialize"))
-    })
-    .map_err(|e| to_py_err(py, e))
-}
-
-/// The report JSON of `simulate` on `graph`.
-fn report_json(py: Python<'_>, graph: &Graph, schedule_json: &str) -> PyResult<String> {
-    py.detach(|| {
-        let schedule = Schedule::from_json(schedule_json)?;
-        let report = crate::simulate(graph, &schedule)?;
-        Ok(serde_json::to_string(&report).expect("a report always serializes"))
-    })
-    .map_err(|e| to_py_err(py, e))
-}
-
-/// The points JSON of `memory_curve` on `graph`.
-fn curve_json(py: Python<'_>, graph: &Graph, schedule_json: Option<&str>) -> PyResult<String> {
-    py.detach(|| {
-        let schedule = match schedule_json {
-            Some(json) => Schedule::from_json(json)?,
-            None => crate::store_all(graph)?,
-        };
-        let points = crate::memory_curve(graph, &schedule)?;
-        Ok(serde_json::to_string(&points).expect("a curve always serializes"))
-    })
-    .map_err(|e| to_py_err(py, e))
-}
-
-/// `budget_range` on `graph`.
-fn budget_range_of(py: Python<'_>, graph: &Graph) -> PyResult<(u64, u64)> {
-    py.detach(|| crate::budget_range(graph))
         .map_err(|e| to_py_err(py, e))
 }
 
@@ -216,13 +134,6 @@ fn py_parse_budget(py: Python<'_>, text: &str) -> PyResult<Py<PyAny>> {
         Budget::Bytes(b) => Ok(b.into_pyobject(py)?.into_any().unbind()),
         Budget::Fraction(f) => Ok(f.into_pyobject(py)?.into_any().unbind()),
     }
-}
-
-/// `budget_range(graph_json) -> (min_budget, plain_peak)`.
-#[pyfunction]
-#[pyo3(name = "budget_range")]
-fn py_budget_range(py: Python<'_>, graph_json: &str) -> PyResult<(u64, u64)> {
-    budget_range_of(py, &parse_graph(py, graph_json)?)
 }
 
 /// `chain_plan(chain_json, mem_limit, slots=500) -> str`: rotor's DP; the chain sequence JSON.
@@ -339,11 +250,6 @@ fn to_py_err(py: Python<'_>, err: Error) -> PyErr {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(py_plan, m)?)?;
-    m.add_function(wrap_pyfunction!(py_simulate, m)?)?;
-    m.add_function(wrap_pyfunction!(py_memory_curve, m)?)?;
-    m.add_function(wrap_pyfunction!(py_stages, m)?)?;
-    m.add_function(wrap_pyfunction!(py_budget_range, m)?)?;
     m.add_function(wrap_pyfunction!(py_budget_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(py_parse_budget, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;
