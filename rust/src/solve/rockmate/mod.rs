@@ -21,6 +21,7 @@ use std::collections::HashMap;
 
 pub mod block;
 mod compose;
+mod memo;
 pub mod partition;
 mod polish;
 mod search;
@@ -251,7 +252,9 @@ fn search_classes(
                 status: SolverStatus::Optimal,
             })
         } else {
-            block::search_options(sub, &options.search)
+            memo::searched(sub, &options.search, || {
+                block::search_options(sub, &options.search)
+            })
         }
     };
     crate::parallel::map(representatives, |&b| search(b))
