@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack, _pop_mode, _push_mode
@@ -209,7 +210,7 @@ def _copy_with_outside(
         new_values[room.name] = ("loss", outside.loss_bytes)
     outputs = [None if o is None else env[o] for o in c.outputs]
     uncomputed = _drop_gradients_of_no_grad(graph, placeholders, c, outputs, outside.no_grad)
-    gm = fx.GraphModule(c.gm, graph)
+    gm = _LazyGraphModule(c.gm, graph)  # its code is generated only if it is read
     copied = Captured(
         gm, placeholders, c.bindings, outputs, c.output_bindings, c.out_spec, c.in_spec, c.const_leaves, c.sizes
     )

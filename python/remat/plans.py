@@ -181,28 +181,35 @@ def first_plan(
     raises ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of
     the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
     estimate = estimated_loss(base, learned, loss)
+    made: dict[Outside, _WithOutside] = {}  # each graph with an outside made once
+
+    def fits(outside: Outside) -> bool:
+        """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
+        w = _with(base, outside, made)
+        target = _target(budget, w.min_budget, w.plain_peak)
+        return target >= w.plain_peak or w.min_budget + w.most <= target
+
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
-        budget = _target(budget, *_planner(with_outside(base, estimate)).budget_range())
+        w = _with(base, estimate, made)
+        budget = _target(budget, w.min_budget, w.plain_peak)
     if learned is not None:
         try:
-            return make_plan(base, estimate, budget, options, inputs)
+            return make_plan(base, estimate, budget, options, inputs, made=made)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(exc.budget, exc.min_budget, estimate.loss_bytes, estimated=True) from None
-    if not _fits(base, estimate, budget):
-        if _fits(base, replace(estimate, loss_bytes=0), budget):
-            fits, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
-            while too_big - fits > max(1024, estimate.loss_bytes // 100):
-                room = (fits + too_big) // 2
-                fits, too_big = (
-                    (room, too_big) if _fits(base, replace(estimate, loss_bytes=room), budget) else (fits, room)
-                )
-            estimate = replace(estimate, loss_bytes=fits)
+    if not fits(estimate):
+        if fits(replace(estimate, loss_bytes=0)):
+            room, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
+            while too_big - room > max(1024, estimate.loss_bytes // 100):
+                mid = (room + too_big) // 2
+                room, too_big = (mid, too_big) if fits(replace(estimate, loss_bytes=mid)) else (room, mid)
+            estimate = replace(estimate, loss_bytes=room)
         else:
             no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
             estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
-            if not _fits(base, estimate, budget):
+            if not fits(estimate):
                 estimate = Outside(0, 0, no_grad, released)
-    return make_plan(base, estimate, budget, options, inputs)
+    return make_plan(base, estimate, budget, options, inputs, made=made)
 
 
 def profiling_plan(base: JointGraph, budget: int | float, options: Options) -> Plan:
@@ -231,16 +238,37 @@ def min_without_loss(base: JointGraph) -> int:
 
 def min_with(base: JointGraph, outside: Outside) -> int:
     """The smallest budget of ``base`` with ``outside``."""
-    g = with_outside(base, outside)
-    return _planner(g).budget_range()[0] + _reserve(g, None, _buffers_to_copy(g))
+    w = _with(base, outside)
+    return w.min_budget + w.most
 
 
-def _fits(base: JointGraph, outside: Outside, budget: int | float) -> bool:
-    """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
-    g = with_outside(base, outside)
-    min_budget, plain_peak = _planner(g).budget_range()
-    target = _target(budget, min_budget, plain_peak)
-    return target >= plain_peak or min_budget + _reserve(g, None, _buffers_to_copy(g)) <= target
+@dataclass(frozen=True)
+class _WithOutside:
+    """``base`` with an ``Outside`` (``boundary.with_outside``), parsed, with its budget range,
+    the buffers a step copies and the most bytes the executor holds beside the graph."""
+
+    g: JointGraph
+    planner: Planner
+    min_budget: int
+    plain_peak: int
+    copied: set[int]
+    most: int
+
+
+def _with(base: JointGraph, outside: Outside, made: dict[Outside, _WithOutside] | None = None) -> _WithOutside:
+    """``base`` with ``outside``, made once for each ``outside`` in ``made``."""
+    if made is not None and outside in made:
+        return made[outside]
+    w = _parsed(with_outside(base, outside))
+    if made is not None:
+        made[outside] = w
+    return w
+
+
+def _parsed(g: JointGraph) -> _WithOutside:
+    planner = Planner(g.to_json())
+    copied = _buffers_to_copy(g)
+    return _WithOutside(g, planner, *planner.budget_range(), copied, _reserve(g, None, copied))
 
 
 def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int:
@@ -257,20 +285,22 @@ def make_plan(
     options: Options,
     inputs: PlanInputs | None = None,
     saved: tuple[Schedule, Path] | None = None,
+    made: dict[Outside, _WithOutside] | None = None,
 ) -> Plan:
     """The plan of ``base`` with ``outside`` within ``budget``: solved, or the schedule of a plan
     file (``saved``: the schedule and the file), once it replays on the graph within the budget.
     With ``options.compile`` the ops count Inductor's times (``compiled_times``), and with
     ``inputs`` the compiled phases are measured (``fit``) and the solver asked again where they
-    hold more than the budget or leave room."""
-    g = with_outside(base, outside)
-    if options.compile:
+    hold more than the budget or leave room. ``made``: graphs with an outside made already, of
+    eager times."""
+    if options.compile:  # the ops take Inductor's times: a graph of its own
+        g = with_outside(base, outside)
         compiled_times(g)
-    planner = _planner(g)
-    min_budget, plain_peak = planner.budget_range()
+        w = _parsed(g)
+    else:
+        w = _with(base, outside, made)
+    g, planner, min_budget, plain_peak, copied, most = w.g, w.planner, w.min_budget, w.plain_peak, w.copied, w.most
     target = _target(budget, min_budget, plain_peak)
-    copied = _buffers_to_copy(g)
-    most = _reserve(g, None, copied)
     fit = options.compile and inputs is not None and budget is not None
     if fit and profiler_running():
         log.warning("torch.profiler is running: the compiled plan's memory is not measured, only predicted")
@@ -297,10 +327,6 @@ def make_plan(
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, min_budget + most, held_back)
     return Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
-
-
-def _planner(g: JointGraph) -> Planner:
-    return Planner(g.to_json())
 
 
 def _replayed(planner: Planner, schedule: Schedule, path: Path) -> Schedule:
