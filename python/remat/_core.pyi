@@ -58,6 +58,9 @@ class Graph:
     def budget_range(self) -> tuple[int, int]:
         """(smallest feasible budget, plain PyTorch's peak) in bytes."""
 
+    def plain_peak(self) -> int:
+        """Plain PyTorch's peak in bytes (``budget_range``'s second, which is cheaper alone)."""
+
     def to_json(self) -> str:
         """The graph file text."""
 

@@ -452,7 +452,7 @@ class Remat(nn.Module):
         plan = planned.plan
         if plan.fitting and not self._marking and plain.runs_model(plan.fitting, values):
             return self.model(*args, **kwargs)  # its own step is measured to fit the budget at these sizes
-        return plan.at(values).run(self.model, args, kwargs, values, marked=self._marking)
+        return plan.at(values, planned.save).run(self.model, args, kwargs, values, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
         """Plan again, once, for the loss estimated over the outputs the first step differentiated,
@@ -578,15 +578,14 @@ class _Planned:
         self.add_levels(options)
 
     def add_levels(self, options: Options) -> None:
-        """Plans at smaller sizes for the plan of a symbolic graph, once the loss is measured (the
-        plan of the first step, which measures it, serves every size: ``levels``); saves the plan."""
+        """The levels of the plan of a symbolic graph (``levels``), once the loss is measured (the
+        plan of the first step, which measures it, serves every size), each solved when a call
+        first needs it; where the model runs itself (``plain``); saves the plan."""
         plan, g = self.plan, self.plan.graph
         wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
         if wanted and plan.levels is None and self.measure.done:
-            with stage(f"plans at smaller sizes ({g.sizes.describe()} at the bound)"):
+            with stage(f"levels at smaller sizes ({g.sizes.describe()} at the bound)"):
                 plan.levels = plan_levels(g, plan, options)
-        for _, level in plan.levels or ():
-            level.measure = self.measure
         if plan.fitting is None and self.measure.measured and not options.compile and self.sample is not None:
             plan.fitting = measure_fitting(plan, self.sample, self.measure.loss_bytes)
         if not self.provisional:
@@ -594,7 +593,7 @@ class _Planned:
 
     def save(self) -> None:
         if self.file is not None:
-            levels = tuple((values, plan.schedule) for values, plan in self.plan.levels or ())
+            levels = () if self.plan.levels is None else tuple(self.plan.levels.solved())
             saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule, levels)
             save(self.file.path, self.file.fp, self.base, saved)
 

@@ -49,6 +49,10 @@ class Planner:
         """The smallest budget a schedule keeps, and plain PyTorch's peak."""
         return self._graph.budget_range()
 
+    def plain_peak(self) -> int:
+        """Plain PyTorch's peak, without the smallest budget (whose replay takes longer)."""
+        return self._graph.plain_peak()
+
     def simulate(self, schedule: Schedule) -> Prediction:
         """``schedule`` replayed (``ScheduleError`` where it does not replay)."""
         return prediction_of_json(self._graph.simulate(schedule.to_json()))

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,20 +107,16 @@ class Plan:
     copied: set[int]  # buffers whose pre-step values the backward phase keeps
     peak: int  # the step's peak: measured for compiled phases (``fit``), else predicted; the reserve included
     measure: LossMeasure | None = None
-    # Plans of the same graph at smaller values of its symbolic sizes, each with those values (``levels``)
-    levels: list[tuple[tuple[int, ...], Plan]] | None = None
+    # The same graph at smaller values of its symbolic sizes, planned when a call needs them (``levels``)
+    levels: Levels | None = None
     # Sizes at or below which the model's own step is measured to fit the budget (``plain``)
     fitting: list[tuple[int, ...]] | None = None
 
-    def at(self, values: tuple[int, ...]) -> Plan:
+    def at(self, values: tuple[int, ...], on_solve: Callable[[], None] | None = None) -> Plan:
         """The plan to run for a call with ``values`` of the symbolic sizes: of least predicted
-        time among this one and the levels at or above ``values`` in every symbol."""
-        best = self
-        for level, plan in self.levels or ():
-            fits = all(v <= top for v, top in zip(values, level))
-            if fits and plan.schedule.predicted.time < best.schedule.predicted.time:
-                best = plan
-        return best
+        time among this one and the levels of ``levels`` for the call, solved on the way (then
+        ``on_solve`` runs)."""
+        return self if self.levels is None else self.levels.best(self, values, on_solve)
 
     @property
     def phases(self) -> Phases:
@@ -338,61 +335,121 @@ def _replayed(planner: Planner, schedule: Schedule, path: Path) -> Schedule:
         raise PlanFileError(f"a schedule in {path} does not replay on this graph ({exc}); delete it") from None
 
 
+@dataclass
+class Level:
+    """A plan's graph at smaller values of its symbolic sizes (``levels``), along one symbol: its
+    graph there and plain PyTorch's peak, and its plan once a call needed it (``solved``; a level
+    whose budget no schedule keeps is served by the plan above)."""
+
+    values: tuple[int, ...]
+    symbol: int
+    planner: Planner
+    plain_peak: int
+    plan: Plan | None = None
+    solved: bool = False
+
+
+@dataclass
+class Levels:
+    """The levels of a plan (``levels``), with the settings they are solved with."""
+
+    levels: list[Level]
+    options: Options
+
+    def best(self, top: Plan, values: tuple[int, ...], on_solve: Callable[[], None] | None) -> Plan:
+        """Of ``top`` and the tightest level above ``values`` along each symbol (solved here where
+        it is not yet), the plan of least predicted time."""
+        tightest: dict[int, Level] = {}
+        for level in self.levels:
+            if all(v <= b for v, b in zip(values, level.values)):
+                known = tightest.get(level.symbol)
+                if known is None or level.values[level.symbol] < known.values[level.symbol]:
+                    tightest[level.symbol] = level
+        best = top
+        for level in tightest.values():
+            if not level.solved:
+                with stage(f"solve at {top.graph.sizes.describe(level.values)}"):
+                    level.plan, level.solved = _level_plan(top, level, self.options), True
+                if on_solve is not None:
+                    on_solve()
+            if level.plan is not None and level.plan.schedule.predicted.time < best.schedule.predicted.time:
+                best = level.plan
+        best.measure = top.measure  # the first step's, whichever plan runs it
+        return best
+
+    def solved(self) -> list[tuple[tuple[int, ...], Schedule]]:
+        """The values and schedules of the levels solved, a plan file's (``saved``)."""
+        return [(level.values, level.plan.schedule) for level in self.levels if level.plan is not None]
+
+
 def plan_levels(
     g: JointGraph, top: Plan, options: Options, saved: tuple[tuple, Path] | None = None
-) -> list[tuple[tuple[int, ...], Plan]]:
-    """Plans of ``top``'s graph, within its budget, at the levels below its bound (``levels``):
-    along each symbol down to the largest value at which plain PyTorch's step fits. ``saved``:
-    the levels' schedules of a plan file and the file, replayed at their values instead."""
+) -> Levels:
+    """The levels of ``top``'s graph below its bound (``levels``): along each symbol down to the
+    largest value at which plain PyTorch's step fits ``top``'s budget (planned now: its plan is
+    plain). The others are solved when a call needs them. ``saved``: the schedules of levels of a
+    plan file and the file, replayed at their values."""
     sizes = g.sizes
     assert sizes is not None
-    most = _reserve(g, None, top.copied)
 
-    def at(values: tuple[int, ...]) -> tuple[Planner, int, int]:
+    def at(values: tuple[int, ...]) -> tuple[Planner, int]:
         planner = Planner(levels.scaled_json(g, values, levels.loss_ratio(g, values)))
-        return (planner, *planner.budget_range())
-
-    def level(planner: Planner, schedule: Schedule, plain_peak: int, min_budget: int) -> Plan:
-        held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
-        peak = schedule.predicted.peak_bytes + held_back
-        limits = (top.budget, plain_peak, min_budget + most, held_back)
-        return Plan(g, planner, schedule, None, *limits, top.outside, top.copied, peak)
-
-    if saved is not None:
-        found, path = saved
-        out = []
-        for values, schedule in found:
-            planner, min_budget, plain_peak = at(values)
-            plan = level(planner, _replayed(planner, schedule, path), plain_peak, min_budget)
-            if plan.peak > top.budget:
-                raise PlanFileError(f"a schedule in {path} peaks at {plan.peak} bytes, over {top.budget}; delete it")
-            out.append((values, plan))
-        return out
+        return planner, planner.plain_peak()
 
     out = []
     for i, chain in enumerate(levels.chains(sizes)):
         above = sizes.bound
         for values in chain:
-            planner, min_budget, plain_peak = at(values)
+            planner, plain_peak = at(values)
             if plain_peak <= top.budget:  # the largest value where the plain step fits serves all below
                 low, high = values[i], above[i]
                 while high - low > 1:
                     mid = (low + high) // 2
                     mid_values = tuple(mid if j == i else v for j, v in enumerate(values))
                     found = at(mid_values)
-                    if found[2] <= top.budget:
-                        low, (planner, min_budget, plain_peak), values = mid, found, mid_values
+                    if found[1] <= top.budget:
+                        low, (planner, plain_peak), values = mid, found, mid_values
                     else:
                         high = mid
-            try:
-                schedule, _ = _solve(g, planner, top.budget, plain_peak, top.copied, most, options)
-            except InfeasibleBudget:
-                continue  # the plan above serves these sizes
-            out.append((values, level(planner, schedule, plain_peak, min_budget)))
+            out.append(Level(values, i, planner, plain_peak))
             if plain_peak <= top.budget:
                 break
             above = values
-    return out
+    found = Levels(out, options)
+    if saved is not None:
+        schedules, path = saved
+        by_values = {level.values: level for level in out}
+        for values, schedule in schedules:
+            level = by_values.get(values)
+            if level is None:
+                raise PlanFileError(f"{path} holds a plan at {values}, not a level of this graph; delete it")
+            level.plan, level.solved = _level_plan(top, level, options, (schedule, path)), True
+    for level in out:
+        if level.plain_peak <= top.budget and not level.solved:
+            level.plan, level.solved = _level_plan(top, level, options), True
+    return found
+
+
+def _level_plan(top: Plan, level: Level, options: Options, saved: tuple[Schedule, Path] | None = None) -> Plan | None:
+    """``level``'s plan within ``top``'s budget (``None`` where none keeps it), solved or the
+    schedule of a plan file (``saved``: the schedule and the file), replayed."""
+    g = top.graph
+    most = _reserve(g, None, top.copied)
+    min_budget, plain_peak = level.planner.budget_range()
+    if saved is None:
+        try:
+            schedule, held_back = _solve(g, level.planner, top.budget, plain_peak, top.copied, most, options)
+        except InfeasibleBudget:
+            return None
+    else:
+        schedule, path = saved
+        schedule = _replayed(level.planner, schedule, path)
+        held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
+    peak = schedule.predicted.peak_bytes + held_back
+    if saved is not None and peak > top.budget:
+        raise PlanFileError(f"a schedule in {saved[1]} peaks at {peak} bytes, over {top.budget}; delete it")
+    limits = (top.budget, plain_peak, min_budget + most, held_back)
+    return Plan(g, level.planner, schedule, None, *limits, top.outside, top.copied, peak)
 
 
 def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tuple[int, ...]]:
@@ -403,9 +460,9 @@ def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tupl
     g = plan.graph
     bound = () if g.sizes is None else g.sizes.bound
     points = [(bound, list(range(len(bound))))] if plan.budget >= plan.plain_peak else []
-    for values, level in plan.levels or ():
-        if level.budget >= level.plain_peak:
-            points.append((values, [i for i, (v, b) in enumerate(zip(values, bound)) if v != b]))
+    for level in [] if plan.levels is None else plan.levels.levels:
+        if level.plain_peak <= plan.budget:
+            points.append((level.values, [level.symbol]))
     if not points:
         return []
     room = max(plan.outside.loss_bytes, measured_loss)

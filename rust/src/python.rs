@@ -93,6 +93,14 @@ impl PyGraph {
             .map_err(|e| to_py_err(py, e))
     }
 
+    /// `plain_peak() -> int`: plain PyTorch's peak (the second of `budget_range`, without the
+    /// keep-nothing schedule's replay that the first takes).
+    fn plain_peak(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| crate::store_all(&self.graph))
+            .map(|s| s.predicted.expect("store_all simulates").peak_bytes)
+            .map_err(|e| to_py_err(py, e))
+    }
+
     /// `to_json() -> str`: the graph file text.
     fn to_json(&self, py: Python<'_>) -> String {
         py.detach(|| self.graph.to_json())
