@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves

@@ -253,7 +253,7 @@ class Remat(nn.Module):
         budget, options, provisional = self._budget_arg, self._options, False
         measure = LossMeasure()
         measure.done = not self.measure_loss
-        with planning(type(self.model).__name__, stages=4 if budget is None else 6):
+        with planning(type(self.model).__name__, stages=2 if budget is None else 4):
             base, args, kwargs = self._captured(args, kwargs)
             inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
             file = self._plan_file(base)
