@@ -170,7 +170,12 @@ def test_planning_logs_its_stages_and_shows_progress(
     monkeypatch.setattr(remat.stages, "BAR_DELAY", 0.0)
     model = _gpt2()
     with caplog.at_level(logging.INFO, logger="remat"):
-        remat.Remat(model, _tokens(2), 0.5)
-    stages = [r.getMessage().split(" ")[0] for r in caplog.records]
-    assert stages == ["capture", "solve", "build", "profile", "solve", "build", "planned"]
+        rm = remat.Remat(model, _tokens(2), 0.5)
+    messages = [r.getMessage() for r in caplog.records if r.name == "remat"]
+    assert [m.split(" ")[0] for m in messages] == ["capture", "solve", "profile", "solve", "planned"]
+    assert messages[1].startswith("solve (rotor") and messages[3].startswith("solve (rockmate"), messages
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        rm(_tokens(2))  # a plan's phases are built when it first runs
+    assert [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "remat"] == ["build"]
     assert "remat: planning GPT2LMHeadModel" in capsys.readouterr().err
