@@ -83,7 +83,7 @@ def main() -> None:
 
     floor = remat.Remat(model, planned, 1.0)
     measure(floor, model, sample, 1, outside)  # measures the loss, plans again
-    low = floor.min_budget
+    low = floor.plan.min_budget
     levels = (0.2, 0.5, 0.8)
     budgets = [("floor", low)] + [(f"{f:.0%} of the way to plain", int(low + f * (plain - low))) for f in levels]
     budgets.append(("checkpoint's peak", checkpoint))
@@ -96,7 +96,7 @@ def main() -> None:
             continue
         planning = time.perf_counter() - t0
         peak, allocated, seconds = measure(rm, model, sample, args.steps, outside)
-        predicted = rm.schedule.predicted.peak_bytes + rm.reserve
+        predicted = rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve
         rows.append((f"remat, {label} ({budget / mib:.0f} MiB)", peak, allocated, predicted, seconds, planning))
         print(*rows[-1], flush=True)
 

@@ -120,7 +120,7 @@ def main() -> None:
                 if budget == "smallest":
                     for _ in range(2):  # measures the loss, which decides the smallest budget, and plans for it
                         step_of(rm)()
-                    smallest = rm.min_budget
+                    smallest = rm.plan.min_budget
                     rm.set_budget(smallest)
                     label = f"{label} ({smallest} bytes)"
                 run(label, rm, since=t0)

@@ -78,9 +78,9 @@ def main() -> None:
     )
     for name, rm, plan_s, run, d_loss, d_grad, d_param in rows:
         mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-        budget = mib(rm.budget) if rm else "-"
-        predicted = mib(rm.schedule.predicted.peak_bytes) if rm else "-"
-        solve = f"{rm.schedule.solver.seconds:.2f}" if rm else "-"
+        budget = mib(rm.plan.budget) if rm else "-"
+        predicted = mib(rm.plan.schedule.predicted.peak_bytes) if rm else "-"
+        solve = f"{rm.plan.schedule.solver.seconds:.2f}" if rm else "-"
         print(
             f"{name:<14}{budget:>11}{predicted:>10}{mib(run['peak']):>10}{run['peak'] / plain['peak']:>9.0%}"
             f"{run['seconds']:>9.3f}{(f'{plan_s:.1f}' if rm else '-'):>8}{solve:>8}"

@@ -118,7 +118,7 @@ def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def budget_of(probe: remat.Remat, level: float) -> int:
     """The budget ``level`` of the way from ``probe``'s smallest feasible one (0) to plain's peak (1)."""
-    return int(probe.min_budget + level * (probe.plain_peak - probe.min_budget))
+    return int(probe.plan.min_budget + level * (probe.plan.plain_peak - probe.plan.min_budget))
 
 
 def budget_at(model: nn.Module, sample: Any, level: float) -> int:

@@ -32,7 +32,7 @@ def test_several_optimizer_steps_match_plain_pytorch(factory) -> None:
     model, sample = factory()
     reference = copy.deepcopy(model)
     rm = remat.Remat(model, sample, budget_at(model, sample, 0.3))
-    assert rm.schedule.predicted.recomputed_time > 0, "a budget of half the peak should recompute"
+    assert rm.plan.schedule.predicted.recomputed_time > 0, "a budget of half the peak should recompute"
     got = _train(rm, model, sample, steps=3)
     want = _train(reference, reference, sample, steps=3)
     assert got == pytest.approx(want, rel=1e-5)
@@ -96,7 +96,7 @@ def test_infeasible_budget_names_the_smallest_feasible_one() -> None:
     smallest = info.value.min_budget
     assert smallest > 1 and str(smallest) in str(info.value)
     rm = remat.Remat(model, sample, smallest)  # the named budget is feasible
-    assert rm.schedule.predicted.peak_bytes <= smallest
+    assert rm.plan.schedule.predicted.peak_bytes <= smallest
     with pytest.raises(remat.InfeasibleBudget):
         remat.Remat(model, sample, smallest - 1024)
 
@@ -109,18 +109,18 @@ def test_a_plan_that_recomputes_more_than_a_steps_time_warns(monkeypatch: pytest
     plain = remat.Remat(model, sample, 1.0, measure_loss=False)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        floor = remat.Remat(model, sample, plain.min_budget, measure_loss=False)
-    predicted = floor.schedule.predicted
+        floor = remat.Remat(model, sample, plain.plan.min_budget, measure_loss=False)
+    predicted = floor.plan.schedule.predicted
     ratio = predicted.recomputed_time / (predicted.time - predicted.recomputed_time)
     slow = [w for w in record if "recomputing" in str(w.message)]
     assert ratio > 0 and bool(slow) == (ratio > remat.plans.SLOW_RECOMPUTATION), (ratio, slow)
     monkeypatch.setattr(remat.plans, "SLOW_RECOMPUTATION", ratio / 2)
     with pytest.warns(UserWarning, match="recomputing") as record:
-        remat.Remat(model, sample, plain.min_budget, measure_loss=False)
-    assert f"the smallest one ({floor.min_budget} bytes)" in str(record[0].message)
+        remat.Remat(model, sample, plain.plan.min_budget, measure_loss=False)
+    assert f"the smallest one ({floor.plan.min_budget} bytes)" in str(record[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        remat.Remat(model, sample, plain.plain_peak, measure_loss=False)
+        remat.Remat(model, sample, plain.plan.plain_peak, measure_loss=False)
 
 
 def test_call_with_other_shapes_beyond_max_plans_raises() -> None:

@@ -21,7 +21,7 @@ LEVELS = (0.6, 0.3, 0.05)
 def test_architecture_under_three_budgets(name: str) -> None:
     ref = Reference(ARCHITECTURES[name])
     unlimited = remat.Remat(ref.model, ref.sample, None)
-    assert unlimited.min_budget <= unlimited.plain_peak
+    assert unlimited.plan.min_budget <= unlimited.plan.plain_peak
     rows, peaks = [], []
     for level in LEVELS:
         budget = budget_of(unlimited, level)
@@ -29,14 +29,14 @@ def test_architecture_under_three_budgets(name: str) -> None:
         rm = remat.Remat(ref.model, ref.sample, budget)
         seconds = time.perf_counter() - t0
         step = ref.check(rm)
-        assert step.peak <= rm.budget + OUTSIDE_MODEL_SLACK, (level, step.peak, rm.budget)
+        assert step.peak <= rm.plan.budget + OUTSIDE_MODEL_SLACK, (level, step.peak, rm.plan.budget)
         peaks.append(step.peak)
-        solver = rm.schedule.solver
-        predicted = rm.schedule.predicted
-        rows.append((level, rm.budget, predicted.peak_bytes, step.peak, solver.status, solver.seconds, seconds))
+        solver = rm.plan.schedule.solver
+        predicted = rm.plan.schedule.predicted
+        rows.append((level, rm.plan.budget, predicted.peak_bytes, step.peak, solver.status, solver.seconds, seconds))
 
     nodes = len(unlimited.graph["nodes"])
-    budgets = f"{unlimited.min_budget}..{unlimited.plain_peak}"
+    budgets = f"{unlimited.plan.min_budget}..{unlimited.plan.plain_peak}"
     print(f"\n{name}: {nodes} nodes, budgets {budgets}, plain measured {ref.plain.peak} B")
     print("   level, budget, predicted, measured, status, solver s, capture+plan s")
     for row in rows:
@@ -60,6 +60,6 @@ def test_dropout_backward_on_a_transposed_gradient() -> None:
     real tensor (pytorch/pytorch#120035); capture runs views as reshapes."""
     ref = Reference(lambda: (_DropoutOnTransposed(), torch.randn(2, 16, 64)))
     probe = remat.Remat(ref.model, ref.sample, None)
-    rm = remat.Remat(ref.model, ref.sample, (probe.min_budget + probe.plain_peak) // 2)
+    rm = remat.Remat(ref.model, ref.sample, (probe.plan.min_budget + probe.plan.plain_peak) // 2)
     step = ref.check(rm)
-    assert step.peak <= rm.budget + OUTSIDE_MODEL_SLACK
+    assert step.peak <= rm.plan.budget + OUTSIDE_MODEL_SLACK

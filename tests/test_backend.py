@@ -75,8 +75,8 @@ def test_backend_through_inductor_gives_eager_gradients_and_buffer_updates():
     backend = remat.backend(0.8)
     _compare(model, torch.compile(model, backend=backend, dynamic=False), x)
     (graph,) = backend.graphs
-    assert graph.remat.budget < graph.remat.plain_peak
-    assert any(op.computes for op in graph.remat.schedule.backward[:20])
+    assert graph.remat.plan.budget < graph.remat.plan.plain_peak
+    assert any(op.computes for op in graph.remat.plan.schedule.backward[:20])
 
 
 def test_graph_breaks_share_a_byte_budget():
@@ -91,9 +91,10 @@ def test_graph_breaks_share_a_byte_budget():
     backend = remat.backend(budget, compile=False, time_limit=5)
     _compare(model, torch.compile(model, backend=backend, dynamic=False), x, steps=3)
     first, second = (g.remat for g in backend.graphs)
-    assert first.budget == budget - second._min_budget_estimated(loss=True)  # the last graph keeps room for the loss
-    assert second.budget == budget - first.held_bytes
-    assert first.held_bytes + second.schedule.predicted.peak_bytes <= budget
+    # the last graph keeps room for the loss
+    assert first.plan.budget == budget - second._min_budget_estimated(loss=True)
+    assert second.plan.budget == budget - first.plan.held_bytes
+    assert first.plan.held_bytes + second.plan.schedule.predicted.peak_bytes <= budget
 
 
 def test_graph_breaks_too_small_a_budget_names_one_that_fits():
@@ -122,7 +123,7 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     assert not [w for w in caught if str(w.message).startswith("remat")]
     first, second = (g.remat for g in backend.graphs)
     assert first._min_budget_estimated(loss=False) + second._min_budget_estimated(loss=True) == info.value.min_budget
-    assert first.held_bytes + second.schedule.predicted.peak_bytes <= info.value.min_budget
+    assert first.plan.held_bytes + second.plan.schedule.predicted.peak_bytes <= info.value.min_budget
 
 
 def test_symbolic_sizes_plan_once_for_every_length(caplog: pytest.LogCaptureFixture):

@@ -17,20 +17,20 @@ def test_budgets_keep_results_and_memory(name: str, monkeypatch: pytest.MonkeyPa
     trace_once(monkeypatch)
     ref = Reference(MODELS[name])
     first = remat.Remat(ref.model, ref.sample, None)
-    assert first.min_budget <= first.plain_peak
+    assert first.plan.min_budget <= first.plan.plain_peak
     rows, peaks = [], []
     for level in LEVELS:
         budget = None if level is None else budget_of(first, level)
         rm = first if level is None else remat.Remat(ref.model, ref.sample, budget)
         step = ref.check(rm)
-        predicted = rm.schedule.predicted.peak_bytes
-        assert step.peak <= rm.budget + OUTSIDE_MODEL_SLACK, (step.peak, rm.budget)
+        predicted = rm.plan.schedule.predicted.peak_bytes
+        assert step.peak <= rm.plan.budget + OUTSIDE_MODEL_SLACK, (step.peak, rm.plan.budget)
         # The simulator predicts the graph's values; RNG states and buffer copies come on top,
         # within the part of the budget held back for them.
-        assert step.peak <= predicted + rm.reserve + OUTSIDE_MODEL_SLACK, (step.peak, predicted, rm.reserve)
+        assert step.peak <= predicted + rm.plan.reserve + OUTSIDE_MODEL_SLACK, (step.peak, predicted, rm.plan.reserve)
         peaks.append(step.peak)
-        status = rm.schedule.solver.status
-        rows.append((rm.budget, predicted, step.peak, step.peak - predicted, rm.reserve, status))
+        status = rm.plan.schedule.solver.status
+        rows.append((rm.plan.budget, predicted, step.peak, step.peak - predicted, rm.plan.reserve, status))
 
     print(
         f"\n{name}: plain measured {ref.plain.peak} B; budget, predicted, measured, measured-predicted, reserve, status"
@@ -52,6 +52,6 @@ def test_plans_of_one_profile_never_peak_higher_at_a_lower_budget(monkeypatch: p
     peaks = []
     for level in [k / 20 for k in range(12, 0, -1)]:
         rm = remat.Remat(ref.model, ref.sample, budget_of(first, level))
-        peaks.append(rm.schedule.predicted.peak_bytes + rm.reserve)
-        assert peaks[-1] <= rm.budget
+        peaks.append(rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve)
+        assert peaks[-1] <= rm.plan.budget
     assert all(a >= b for a, b in zip(peaks, peaks[1:])), f"peaks rise as the budget falls: {peaks}"

@@ -40,7 +40,7 @@ def test_compiled_phases_give_eager_gradients_with_dropout():
     reference.load_state_dict(model.state_dict())
     tokens = torch.randint(512, (2, 64))
     rm = remat.Remat(model, tokens, 0.4, compile=True)
-    assert any(op.computes for op in rm.schedule.backward[:50])
+    assert any(op.computes for op in rm.plan.schedule.backward[:50])
     for step in range(2):  # the second step runs the plan made for the measured loss
         losses = []
         for runner, m in ((rm, model), (reference, reference)):
@@ -76,7 +76,7 @@ for budget in {budgets}:
         step(); step()  # compiles; plans again for the measured loss
         # the lowest of three steps, and their spread: a step's resident set at times grows by a few MB more
         peaks = [remat.testing.rss_peak(step) for _ in range(3)]
-        row += [rm.budget, min(peaks), max(peaks) - min(peaks)]
+        row += [rm.plan.budget, min(peaks), max(peaks) - min(peaks)]
     rows.append(row)
 print(json.dumps(rows))
 """
@@ -136,13 +136,13 @@ def test_measured_peaks_fall_with_the_budget_over_a_grid(compile: bool) -> None:
         rm(tokens).logits.pow(2).mean().backward()
 
     step()  # measures the loss
-    low, high = rm.min_budget, rm.plain_peak
+    low, high = rm.plan.min_budget, rm.plan.plain_peak
     rows = []
     for k in range(7, -1, -1):
         budget = low + (high - low) * k // 7
         rm.set_budget(budget)
         step()  # compiles the new plan's phases
-        predicted = rm.schedule.predicted.peak_bytes + rm.reserve
+        predicted = rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve
         rows.append((budget, predicted, remat.testing.measure_step(step, keep).peak_bytes))
     print("\nbudget, predicted, measured:", *rows, sep="\n")
     for higher, lower in zip(rows, rows[1:]):
@@ -173,7 +173,7 @@ def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monk
     x = torch.randn(512, 256)
     rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
     assert asked[1] < asked[0], asked
-    assert rm._plan.peak <= rm.budget
+    assert rm._plan.peak <= rm.plan.budget
     assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
 
 
@@ -195,8 +195,8 @@ def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_mor
     x = torch.randn(512, 256)
     rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
     assert len(asked) >= 2 and asked[1] > asked[0], asked
-    assert rm._plan.peak <= rm.budget
-    assert rm.schedule.predicted.time <= times[0]
+    assert rm._plan.peak <= rm.plan.budget
+    assert rm.plan.schedule.predicted.time <= times[0]
 
 
 def test_compiled_plans_count_inductors_generated_ops_at_a_share_of_their_eager_time():
@@ -252,7 +252,7 @@ def test_a_plan_that_runs_the_graph_many_times_over_is_not_compiled(monkeypatch)
 
     monkeypatch.setattr(remat.inductor, "_compile", compile)
     rm = _planned_eagerly("times over: Inductor would take many minutes")
-    runs = rm.schedule.runs().total()
+    runs = rm.plan.schedule.runs().total()
     assert runs > len(rm.graph["nodes"])
 
 
@@ -280,4 +280,4 @@ def test_the_first_step_runs_eagerly_and_the_plan_for_its_measured_loss_is_compi
         assert_close_grads(_grads(model), _grads(reference), rtol=1e-4, atol=1e-6)
         assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase) == (step > 0)
         assert (step > 0) == bool(compiled), (step, compiled)
-    assert rm._plan.peak <= rm.budget and False in compiled and True in compiled
+    assert rm._plan.peak <= rm.plan.budget and False in compiled and True in compiled

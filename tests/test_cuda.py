@@ -60,7 +60,7 @@ def test_zoo_on_cuda_keeps_the_budget(name: str) -> None:
         warnings.simplefilter("ignore")
         reset()
         _step(model, probe, case)
-    low, high = probe.min_budget, probe.plain_peak
+    low, high = probe.plan.min_budget, probe.plan.plain_peak
     rows = []
     for level in LEVELS:
         budget = int(low + level * (high - low))
@@ -71,7 +71,7 @@ def test_zoo_on_cuda_keeps_the_budget(name: str) -> None:
             _step(model, rm, case)  # the first step measures the loss
         reset()
         tracked, allocated, grads = _step(model, rm, case)
-        rows.append((level, budget, rm.schedule.predicted.peak_bytes + rm.reserve, tracked, allocated))
+        rows.append((level, budget, rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve, tracked, allocated))
         assert_close_grads(grads, plain_grads, rtol=1e-4, atol=1e-5)
     print(f"\n{name} on CUDA: plain allocator peak {plain_allocated} B, parameter gradients {grad_bytes} B")
     print("   level, budget, predicted, tracked, allocator")

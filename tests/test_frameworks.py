@@ -63,7 +63,7 @@ def test_trainer_trains_evaluates_saves_and_resumes_an_enabled_model(tmp_path) -
         assert "eval_loss" in trainer.evaluate()
     assert len(losses["remat"]) == 4
     torch.testing.assert_close(losses["remat"], losses["plain"], rtol=1e-4, atol=0)
-    assert remat.enabled(model) is not None and remat.enabled(model)._plan.budget < remat.enabled(model).plain_peak
+    assert remat.enabled(model) is not None and remat.enabled(model).plan.budget < remat.enabled(model).plan.plain_peak
 
     saved = GPT2LMHeadModel.from_pretrained(tmp_path / "remat" / "checkpoint-4")
     _same_weights(saved, model)

@@ -177,7 +177,7 @@ def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_ste
     assert max(planned.peaks) == plan.schedule.predicted.peak_bytes
     assert planned.recomputed and len(planned.times) == len(plan.schedule.ops())
     plain = remat.plot.predicted_curve(plan.planner, node_times, None)
-    assert max(plain.peaks) == rm.plain_peak
+    assert max(plain.peaks) == rm.plan.plain_peak
     with remat.memory.Allocations() as record:
         rm._marking = True
         step()
@@ -186,7 +186,7 @@ def test_the_memory_plot_draws_the_prediction_the_plain_curve_and_a_measured_ste
     xs, live = remat.plot.measured_curve(record, planned, grads)
     assert xs == sorted(xs) and xs[-1] == planned.times[-1]
     measured = remat.testing.measure_step(step, [*model.parameters(), tokens]).peak_bytes
-    assert max(live) == measured <= rm.budget
+    assert max(live) == measured <= rm.plan.budget
     svg = rm.plot_memory(tmp_path / "memory.svg")  # without a step: the prediction alone
     assert ET.parse(svg).getroot().tag == f"{SVG}svg"
 

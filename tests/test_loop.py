@@ -97,7 +97,7 @@ def test_autocast_is_as_accurate_as_plain_autocast(device: str, dtype: torch.dty
         assert (o - e).norm() <= 1.5 * (p - e).norm() + 1e-6 * e.norm()
     keep = [*model.parameters(), *model.buffers(), tokens]
     model.zero_grad(set_to_none=True)
-    assert remat.testing.measure_step(lambda: _step(model, rm, tokens, dtype), keep).peak_bytes <= rm.budget
+    assert remat.testing.measure_step(lambda: _step(model, rm, tokens, dtype), keep).peak_bytes <= rm.plan.budget
 
 
 def test_new_shapes_get_their_own_plans(caplog: pytest.LogCaptureFixture) -> None:
@@ -121,7 +121,7 @@ def test_new_shapes_get_their_own_plans(caplog: pytest.LogCaptureFixture) -> Non
                 torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
     planned = [r.getMessage() for r in caplog.records if "planned for inputs" in r.getMessage()]
     assert len(planned) == 2 and "[3, 32]" in planned[0] and "[4, 16]" in planned[1]
-    assert len(rm._plans) == 3 and rm.budget == budget
+    assert len(rm._plans) == 3 and rm.plan.budget == budget
 
 
 def test_a_fraction_is_of_each_shapes_plain_peak() -> None:
@@ -130,7 +130,7 @@ def test_a_fraction_is_of_each_shapes_plain_peak() -> None:
     budgets = {}
     for batch in (4, 2):
         _step(model, rm, _tokens(batch))
-        budgets[batch] = (rm.budget, rm.plain_peak)
+        budgets[batch] = (rm.plan.budget, rm.plan.plain_peak)
     for budget, plain_peak in budgets.values():
         assert budget == int(0.75 * plain_peak)
     assert budgets[2][1] < budgets[4][1]

@@ -56,7 +56,7 @@ def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> No
     step()
     step()  # planned for the measured loss
     measured = remat.testing.measure_step(step, keep).peak_bytes
-    assert measured <= rm.budget, (measured, rm.budget, plain)
+    assert measured <= rm.plan.budget, (measured, rm.plan.budget, plain)
     assert measured < 0.7 * plain, (measured, plain)
 
 
@@ -85,11 +85,11 @@ def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> No
     masks = {n["outputs"][1] for n in nodes if n["target"] == "aten.native_dropout.default"}
     products = {n["id"] for n in nodes if n["target"] == "aten.mul.Tensor" and masks & set(n["inputs"])}
     assert len(masks) == len(products) == 7
-    computed = [op.node for op in rm.schedule.ops() if op.computes]
+    computed = [op.node for op in rm.plan.schedule.ops() if op.computes]
     draws = [n["id"] for n in nodes if n["target"] == "aten.native_dropout.default"]
     assert all(computed.count(d) == 1 for d in draws)
     assert sum(computed.count(p) > 1 for p in products) >= 1
-    assert rm.reserve == 0
+    assert rm.plan.reserve == 0
 
     grads = []
     for runner in (model, rm):

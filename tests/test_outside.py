@@ -59,20 +59,20 @@ def test_loss_inside_is_planned_as_measured(hold: bool) -> None:
         warnings.simplefilter("ignore")
         _measure(model, probe, batch, hold)
     _measure(model, probe, batch, hold)
-    outside = probe.outside
+    outside = probe.plan.outside
     assert LOGITS in outside.no_grad
     assert (LOGITS in outside.released) == (not hold)
-    for budget in (probe.min_budget, (probe.min_budget + probe.plain_peak) // 2):
+    for budget in (probe.plan.min_budget, (probe.plan.min_budget + probe.plan.plain_peak) // 2):
         rm = remat.Remat(model, batch, budget)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _measure(model, rm, batch, hold)  # measures the loss; the next call plans again
         peak, grads = _measure(model, rm, batch, hold)
-        predicted = rm.schedule.predicted.peak_bytes + rm.reserve
+        predicted = rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve
         assert peak <= budget, (budget, peak)
         assert abs(peak - predicted) <= 0.01 * peak, (predicted, peak)
         assert_close_grads(grads, plain_grads, rtol=1e-4, atol=1e-6)
-    assert probe.plain_peak <= plain_peak * 1.01
+    assert probe.plan.plain_peak <= plain_peak * 1.01
 
 
 def test_smallest_budget_is_under_checkpointing() -> None:
@@ -83,12 +83,12 @@ def test_smallest_budget_is_under_checkpointing() -> None:
     rm = remat.Remat(model, batch, 1.0)
     for _ in range(2):
         _measure(model, rm, batch, hold=False)
-    floor = remat.Remat(model, batch, rm.min_budget)
+    floor = remat.Remat(model, batch, rm.plan.min_budget)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _measure(model, floor, batch, hold=False)
     peak, _ = _measure(model, floor, batch, hold=False)
-    assert peak <= floor.budget < checkpoint, (peak, floor.budget, checkpoint)
+    assert peak <= floor.plan.budget < checkpoint, (peak, floor.plan.budget, checkpoint)
 
 
 class _TwoHeads(nn.Module):
@@ -122,13 +122,13 @@ def test_an_unmeasured_loss_is_estimated_over_the_outputs_it_differentiates(hold
 
     plain = step(model)
     rm = remat.Remat(model, x, 0.7, measure_loss=False, time_limit=5)
-    first = rm.outside
+    first = rm.plan.outside
     assert first.no_grad == frozenset()
     grads = [step(rm) for _ in range(2)]
-    assert rm.outside.no_grad == frozenset({1})
-    assert rm.outside.released == (frozenset() if hold else frozenset({0, 1}))
+    assert rm.plan.outside.no_grad == frozenset({1})
+    assert rm.plan.outside.released == (frozenset() if hold else frozenset({0, 1}))
     head_room = remat.boundary.LOSS_TENSORS_PER_OUTPUT * 64 * 512 * 4 + remat.boundary.LOSS_SCALARS
-    assert rm.outside.loss_bytes == head_room < first.loss_bytes
+    assert rm.plan.outside.loss_bytes == head_room < first.loss_bytes
     for got in grads:
         assert_close_grads(got, plain)  # the side head's parameters included: without gradient
 
@@ -152,10 +152,10 @@ def test_an_unmeasured_loss_without_room_in_the_budget_raises_and_its_smallest_b
     probe = remat.Remat(model, x, 0.7, measure_loss=False, time_limit=5)
     step_of(probe)()
     step_of(probe)()  # plans for the loss estimated over the head the first step differentiated
-    smallest = probe.min_budget
+    smallest = probe.plan.min_budget
     shrunk = (smallest + probe.min_budget_without_loss) // 2
     rm = remat.Remat(model, x, shrunk, measure_loss=False, time_limit=5)
-    assert rm.outside.loss_bytes < probe.outside.loss_bytes  # made smaller to fit the budget
+    assert rm.plan.outside.loss_bytes < probe.plan.outside.loss_bytes  # made smaller to fit the budget
     step_of(rm)()
     with pytest.raises(remat.InfeasibleBudget, match="estimated") as exc:
         step_of(rm)()
@@ -163,7 +163,7 @@ def test_an_unmeasured_loss_without_room_in_the_budget_raises_and_its_smallest_b
     rm = remat.Remat(model, x, smallest, measure_loss=False, time_limit=5)
     for _ in range(2):
         step_of(rm)()
-    assert rm.outside == probe.outside
+    assert rm.plan.outside == probe.plan.outside
     measured = remat.testing.measure_step(step_of(rm), keep).peak_bytes
     assert measured <= smallest, (measured, smallest)
 
@@ -185,10 +185,10 @@ def test_a_head_no_loss_reads_is_not_differentiated_and_a_loss_that_reads_it_lat
     rm = remat.Remat(model, x, 1.0, time_limit=5)
     for _ in range(2):
         step_of(0)()
-    rm.set_budget(rm.min_budget)
+    rm.set_budget(rm.plan.min_budget)
     step_of(0)()
     measured = remat.testing.measure_step(step_of(0), [*model.parameters(), x]).peak_bytes
-    assert measured <= rm.budget, (measured, rm.budget)
+    assert measured <= rm.plan.budget, (measured, rm.plan.budget)
     assert model.side.weight.grad is None
     with pytest.raises(remat.RematError, match="differentiates output"):
         step_of(1)()

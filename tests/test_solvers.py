@@ -17,14 +17,14 @@ def test_each_solver_keeps_results_within_budget(solver: str) -> None:
     rm = remat.Remat(ref.model, ref.sample, None if solver == "none" else budget, solver=solver, time_limit=5)
     step = ref.check(rm)
     if solver == "none":
-        assert rm.schedule is None
+        assert rm.plan is None
         return
-    assert rm.schedule.solver.name == solver
+    assert rm.plan.schedule.solver.name == solver
     assert step.peak <= budget + OUTSIDE_MODEL_SLACK, (step.peak, budget)
-    predicted = rm.schedule.predicted
+    predicted = rm.plan.schedule.predicted
     print(
         f"\n{solver}: budget {budget}, predicted {predicted.peak_bytes} B / {predicted.time:.4f} s, "
-        f"measured {step.peak} B, status {rm.schedule.solver.status}"
+        f"measured {step.peak} B, status {rm.plan.schedule.solver.status}"
     )
 
 

@@ -42,7 +42,7 @@ def test_zoo_keeps_the_budget_with_the_loss_outside(name: str, monkeypatch: pyte
         warnings.simplefilter("ignore")  # the first step may hold more than the estimate: it is measured here
         ref.check(probe)
     ref.check(probe)
-    low, high = probe.min_budget, probe.plain_peak
+    low, high = probe.plan.min_budget, probe.plan.plain_peak
     assert low <= high
 
     rows = []
@@ -54,10 +54,10 @@ def test_zoo_keeps_the_budget_with_the_loss_outside(name: str, monkeypatch: pyte
             first = ref.check(rm)
         later = ref.check(rm)
         # What the executor keeps beside the graph's values (RNG states) is counted too.
-        predicted = rm.schedule.predicted.peak_bytes + rm.reserve
-        rows.append((level, budget, predicted, first.peak, later.peak, len(caught), rm.outside))
+        predicted = rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve
+        rows.append((level, budget, predicted, first.peak, later.peak, len(caught), rm.plan.outside))
 
-    print(f"\n{name}: plain measured {ref.plain.peak} B, feasible {low}..{high} B, loss room {probe.outside}")
+    print(f"\n{name}: plain measured {ref.plain.peak} B, feasible {low}..{high} B, loss room {probe.plan.outside}")
     print("   level, budget, predicted, first step, later steps, warnings, outside")
     for row in rows:
         print("  ", *row)

@@ -24,6 +24,8 @@ from .errors import (
 )
 from .graphs import Graphs, render
 from .module import Remat, graphs
+from .plans import PlanReport
+from .schedule import Op, Prediction, Schedule, SolverInfo
 
 __all__ = [
     "Backend",
@@ -39,12 +41,17 @@ __all__ = [
     "InfeasibleMemLimit",
     "InputMismatch",
     "NotSequential",
+    "Op",
     "PlanFileError",
+    "PlanReport",
+    "Prediction",
     "Remat",
     "RematError",
+    "Schedule",
     "ScheduleError",
     "Sequence",
     "SolverError",
+    "SolverInfo",
     "backend",
     "check_graphs",
     "disable",

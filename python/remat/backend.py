@@ -91,7 +91,7 @@ class Backend:
         self._step.append(graph)
         if not isinstance(self.budget, int):
             return self.budget
-        before = sum(g.remat.held_bytes for g in self._step[:-1] if g.remat is not None)
+        before = sum(g.remat.plan.held_bytes for g in self._step[:-1] if g.remat is not None)
         last = self._last or []
         after = last[last.index(graph) + 1 :] if graph in last else []
         return max(self.budget - before - sum(g.smallest for g in after), 0)

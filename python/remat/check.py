@@ -99,7 +99,7 @@ def _check(
         raise CheckError('check_graphs checks the planned stages: pass a solver other than "none"')
     rm = Remat(model, sample, 1.0 if budget is None else budget, **options)
     if budget is None:
-        rm.set_budget((rm.min_budget + rm.plain_peak) // 2)
+        rm.set_budget((rm.plan.min_budget + rm.plan.plain_peak) // 2)
     plan = rm._plan
     assert plan is not None
     g = plan.graph
@@ -118,9 +118,9 @@ def _check(
     keep = [*model.parameters(), *model.buffers(), *flatten_inputs(args, kwargs)[0]]
     model.load_state_dict(state)
     measured = measure_step(lambda: _run(model, rm, args, kwargs, loss), keep).peak_bytes
-    if measured > rm.budget:
-        problems.append(f"the step planned for {rm.budget} bytes measured {measured}")
-    planned_budget = rm.budget
+    if measured > rm.plan.budget:
+        problems.append(f"the step planned for {rm.plan.budget} bytes measured {measured}")
+    planned_budget = rm.plan.budget
     rm.set_budget(None)
     got = _step(model, rm, state, args, kwargs, loss)
     problems += [f"plain PyTorch's schedule: {p}" for p in _compare(expected, got, rtol, atol, errors)]

@@ -38,6 +38,7 @@ from .planner import Solver
 from .plans import (
     Options,
     Plan,
+    PlanReport,
     Sample,
     estimated_loss,
     first_plan,
@@ -53,7 +54,6 @@ from .plans import (
 )
 from .plot import measured_curve, plot, predicted_curve
 from .saved import Saved, fingerprint, load, path_of, save
-from .schedule import Schedule
 from .sizes import Dynamic, Sizes, dynamic_dims
 from .stages import planning, stage
 from .trace import captured, profiled
@@ -334,34 +334,16 @@ class Remat(nn.Module):
     def _plan(self) -> Plan | None:
         return None if self._current is None else self._current.plan
 
-    # What was planned, for reports and tests.
+    @property
+    def plan(self) -> PlanReport | None:
+        """The current plan (of the last training call's inputs): its budget, predictions and
+        schedule; ``None`` before any (or with ``solver="none"``)."""
+        return None if self._plan is None else self._plan.report()
+
     @property
     def graph(self) -> dict[str, Any] | None:
+        """The current plan's graph file (``docs/formats.md``)."""
         return None if self._plan is None else json.loads(self._plan.planner.to_json())
-
-    @property
-    def schedule(self) -> Schedule | None:
-        return None if self._plan is None else self._plan.schedule
-
-    @property
-    def budget(self) -> int | None:
-        return None if self._plan is None else self._plan.budget
-
-    @property
-    def plain_peak(self) -> int | None:
-        """Predicted activation peak of plain PyTorch (no recomputation), the loss room included."""
-        return None if self._plan is None else self._plan.plain_peak
-
-    @property
-    def reserve(self) -> int | None:
-        """Bytes of the budget held back from the planner for what the executor keeps beside the
-        graph's values (RNG states of replayed random ops, pre-step copies of updated buffers)."""
-        return None if self._plan is None else self._plan.reserve
-
-    @property
-    def min_budget(self) -> int | None:
-        """The smallest budget any schedule keeps, the loss room included."""
-        return None if self._plan is None else self._plan.min_budget
 
     @property
     def min_budget_without_loss(self) -> int | None:
@@ -414,17 +396,6 @@ class Remat(nn.Module):
         budget = None if self._budget_arg is None else plan.budget
         title = f"{type(self.model).__name__}: {len(plan.graph.nodes)} ops, solver {self.solver}"
         return plot(path, planned, plain, budget, plan.reserve, measured, title)
-
-    @property
-    def held_bytes(self) -> int | None:
-        """Predicted activation bytes the step holds between its forward and backward phases (the
-        outputs and what the backward reads)."""
-        return None if self._plan is None else self._plan.held_bytes()
-
-    @property
-    def outside(self) -> Outside | None:
-        """What the plan holds room for outside the graph: the loss, and outputs without gradient."""
-        return None if self._plan is None else self._plan.outside
 
     def __getattr__(self, name: str) -> Any:
         if name in PASSED_THROUGH and "model" in self._modules:

@@ -93,6 +93,23 @@ def inputs_at(g: JointGraph, args: tuple, kwargs: dict, values: tuple[int, ...])
     return unflatten_inputs(spec, consts, sized)
 
 
+@dataclass(frozen=True)
+class PlanReport:
+    """A ``Remat``'s current plan (``Remat.plan``), in bytes of activation memory (the loss room
+    included) and seconds."""
+
+    budget: int
+    peak: int  # the step's predicted peak (measured for compiled phases), the reserve included
+    time: float  # the step's predicted time, recomputations included
+    recomputed_time: float  # the recomputations' predicted time
+    plain_peak: int  # plain PyTorch's predicted peak
+    min_budget: int  # the smallest budget any schedule keeps
+    reserve: int  # held back from the planner for RNG states and buffer copies
+    held_bytes: int  # predicted alive between the forward and backward phases
+    outside: Outside  # the room for what the step holds outside the graph (the loss)
+    schedule: Schedule
+
+
 @dataclass
 class Plan:
     graph: JointGraph
@@ -131,6 +148,21 @@ class Plan:
     def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
         """See ``step.input_grads``."""
         return input_grads(self.graph)
+
+    def report(self) -> PlanReport:
+        p = self.schedule.predicted
+        return PlanReport(
+            self.budget,
+            self.peak,
+            p.time,
+            p.recomputed_time,
+            self.plain_peak,
+            self.min_budget,
+            self.reserve,
+            self.held_bytes(),
+            self.outside,
+            self.schedule,
+        )
 
     def slack(self) -> int:
         """Bytes of the budget the plan leaves unused."""
