@@ -4,6 +4,7 @@ gradient and those it lets go of."""
 
 from __future__ import annotations
 
+import enum
 import math
 import warnings
 import weakref
@@ -20,31 +21,85 @@ if TYPE_CHECKING:
     from .plans import Plan
 
 
+class State(enum.Enum):
+    """Where the measurement of what a step holds outside the graph stands."""
+
+    MEASURING = "measuring"  # a training step's window between forward and backward is to measure the loss
+    MEASURED = "measured"  # a window measured it (``outside``): the plan for it is due
+    PLANNED = "planned"  # the plan is for the measured loss
+    LEARNING = "learning"  # no window measures (a compiled caller, ``measure_loss=False``): the next
+    # backward tells which outputs get no gradient and which the user let go of
+    LEARNED = "learned"  # those are known (``learned``): the plan for the loss estimated over them is due
+    ESTIMATED = "estimated"  # the plan keeps room for the estimated loss
+
+
 class LossMeasure:
-    """The first training step's measurement of what the step holds outside the graph."""
+    """The first training steps' measurement of what the step holds outside the graph, as a
+    ``State``: ``MEASURING`` -> ``MEASURED`` -> ``PLANNED`` where a window measures the loss,
+    else ``LEARNING`` -> ``LEARNED`` -> ``ESTIMATED``. ``measure=False`` starts at ``LEARNING``."""
 
     # Steps whose window is abandoned (another forward before the backward) before giving up.
     ATTEMPTS = 3
 
-    def __init__(self) -> None:
-        self.done = False
-        self.measured = False  # the plan is for a measured loss
+    def __init__(self, measure: bool = True) -> None:
+        self.state = State.MEASURING if measure else State.LEARNING
         self.attempts = 0
         self.window: Window | None = None  # open, or closed and not yet removed
-        self.outside: Outside | None = None  # measured, not yet planned for
-        # Where no window measures the loss: the outputs the first step gave no gradient and
-        # those it let go of before its backward (an ``Outside`` without loss bytes).
+        self.outside: Outside | None = None  # what the window measured (``MEASURED``)
+        # The outputs the first step gave no gradient and those it let go of before its backward,
+        # where no window measures (an ``Outside`` without loss bytes)
         self.learned: Outside | None = None
-        self.learned_planned = False
         self.loss_bytes = 0  # the loss room measured (at the bound)
         self.watched: list[weakref.ref] = []  # the outputs of the forward whose backward tells them
         # Plans again for the measured loss at the end of the step that measured it (else the
         # next call does)
         self.replan: Callable[[], None] | None = None
 
+    @property
+    def done(self) -> bool:
+        """Whether no step is to measure the loss any more."""
+        return self.state not in (State.MEASURING, State.MEASURED)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the plan is for a measured loss."""
+        return self.state is State.PLANNED
+
+    def wanted(self) -> bool:
+        """Whether this step's window is to measure the loss."""
+        return self.state is State.MEASURING and self.attempts < self.ATTEMPTS
+
+    def learning(self) -> bool:
+        """Whether this step's backward is to tell the outputs (first step only)."""
+        return self.state is State.LEARNING
+
+    def restored(self, measured: bool) -> None:
+        """The state of a plan file's plan: for the measured loss, or as planned before."""
+        if measured:
+            self.state = State.PLANNED
+
+    def take_measured(self) -> Outside:
+        """``MEASURED`` -> ``PLANNED``: what the window measured, for the plan now made for it
+        (``failed`` goes back where that plan fails)."""
+        assert self.state is State.MEASURED and self.outside is not None
+        measured, self.outside, self.state = self.outside, None, State.PLANNED
+        self.loss_bytes = measured.loss_bytes
+        return measured
+
+    def failed(self, measured: Outside) -> None:
+        """No plan keeps the budget with ``measured``: ``MEASURED`` again (each call plans again,
+        and raises, until the budget is raised)."""
+        self.outside, self.state = measured, State.MEASURED
+
+    def take_learned(self) -> Outside:
+        """``LEARNED`` -> ``ESTIMATED``: the outputs learned, for the plan now made for them."""
+        assert self.state is State.LEARNED and self.learned is not None
+        self.state = State.ESTIMATED
+        return self.learned
+
     def after_backward(self) -> None:
         """At the end of a step's backward: plans for the loss it measured, if any."""
-        if self.outside is not None and self.replan is not None:
+        if self.state is State.MEASURED and self.replan is not None:
             try:
                 self.replan()
             except InfeasibleBudget:
@@ -54,20 +109,13 @@ class LossMeasure:
         """No window: called from a torch.compile'd module, whose frames restore the dispatch
         state on return, the window's mode could not outlive the call. The plan keeps its room
         for the estimated loss."""
-        self.done = True
+        self.state = State.LEARNING
         warnings.warn(
             "remat: called from a torch.compile'd module, remat cannot measure the step's loss and keeps "
             "room for its estimate (a few tensors of the outputs' size); to compile the planned step, use "
             "remat.Remat(..., compile=True) and call it uncompiled",
             stacklevel=3,
         )
-
-    def wanted(self) -> bool:
-        return not self.done and self.outside is None and self.attempts < self.ATTEMPTS
-
-    def learning(self) -> bool:
-        """Whether the outputs are still to be learned without a window (first step only)."""
-        return self.done and not self.measured and self.learned is None
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
         """The tensors handed to the user by a forward no window measures."""
@@ -80,6 +128,7 @@ class LossMeasure:
             no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
             released = frozenset(i for i, ref in enumerate(self.watched) if ref() is None)
             self.learned, self.watched = Outside(0, 0, no_grad, released), []
+            self.state = State.LEARNED
 
     def settle(self, others: bool) -> None:
         """Before a forward: a window still there is removed (one still open measured nothing),
@@ -111,6 +160,7 @@ class LossMeasure:
             peak, held = math.ceil(peak / ratio), math.ceil(held / ratio)
         no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
         self.outside = measured = Outside(peak, held, no_grad, released)
+        self.state = State.MEASURED
         planned = plan.outside
         over = max(measured.loss_bytes - planned.loss_bytes, measured.held_bytes - planned.held_bytes)
         # outputs the plan let go of (or gave no gradient) that this step held (or differentiated)

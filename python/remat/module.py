@@ -32,7 +32,7 @@ from .errors import (
 from .fit import PlanInputs
 from .graph import JointGraph
 from .graphs import Graphs, JointStage
-from .measure import LossMeasure
+from .measure import LossMeasure, State
 from .memory import Allocations, storage_ptrs
 from .planner import Solver
 from .plans import (
@@ -251,8 +251,7 @@ class Remat(nn.Module):
         _check_device(self.model, args, kwargs)
         t0 = time.perf_counter()
         budget, options, provisional = self._budget_arg, self._options, False
-        measure = LossMeasure()
-        measure.done = not self.measure_loss
+        measure = LossMeasure(self.measure_loss and budget is not None)
         with planning(type(self.model).__name__, stages=2 if budget is None else 4):
             base, args, kwargs = self._captured(args, kwargs)
             inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
@@ -263,15 +262,13 @@ class Remat(nn.Module):
                 symbolic = plan.graph.sizes is not None and plan.budget < plan.plain_peak and not options.compile
                 if symbolic and saved.measured:  # a file saved before the loss was measured has no levels yet
                     plan.levels = plan_levels(plan.graph, plan, options, (saved.levels, file.path))
-                measure.done = measure.done or saved.measured
-                measure.measured = saved.measured
+                measure.restored(saved.measured)
                 log.info("read the plan from %s", file.path)
             else:
                 # With a budget, measuring runs a first schedule planned from sizes and estimated times.
                 first = None if budget is None else lambda g: profiling_plan(g, budget, options)
                 profiled(base, self.model, args, kwargs, first)
                 if budget is None:
-                    measure.done = True
                     plan = make_plan(base, Outside(0), None, options)
                 elif options.compile and not measure.done:
                     # The first step measures the loss, which the compiled plan is for: it runs eagerly.
@@ -413,9 +410,9 @@ class Remat(nn.Module):
         if not planned.measure.done and compiled:
             planned.measure.give_up()
         planned.measure.settle(others=not compiled)
-        if planned.measure.outside is not None:
+        if planned.measure.state is State.MEASURED:
             self._plan_for_measured(planned)
-        elif planned.measure.learned is not None and not planned.measure.learned_planned:
+        elif planned.measure.state is State.LEARNED:
             self._plan_for_outputs(planned)
         elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
             # no step measured the loss: the compiled plan keeps room for its estimate
@@ -429,10 +426,7 @@ class Remat(nn.Module):
         """Plan again, once, for the loss estimated over the outputs the first step differentiated,
         with those it let go of before the backward released (where the loss is not measured: a
         compiled caller, ``measure_loss=False``)."""
-        measure = planned.measure
-        learned = measure.learned
-        assert learned is not None
-        measure.learned_planned = True
+        learned = planned.measure.take_learned()
         estimate = estimated_loss(planned.base, learned, self._loss_after)
         if self._budget_arg is None or (planned.plan.outside == estimate and not planned.provisional):
             return
@@ -447,9 +441,7 @@ class Remat(nn.Module):
     def _plan_for_measured(self, planned: _Planned) -> None:
         """Plan again for what the first step measured outside the graph (once)."""
         measure = planned.measure
-        measured, measure.outside = measure.outside, None
-        measure.done = measure.measured = True
-        measure.loss_bytes = measured.loss_bytes
+        measured = measure.take_measured()
         current = planned.plan
         loss_over = measured.loss_bytes - current.outside.loss_bytes
         held_over = measured.held_bytes - current.outside.held_bytes
@@ -463,7 +455,7 @@ class Remat(nn.Module):
         try:
             plan = make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
         except InfeasibleBudget as exc:
-            measure.outside = measured  # each call raises until the budget is raised (set_budget)
+            measure.failed(measured)  # each call raises until the budget is raised (set_budget)
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
         planned.adopt(plan, self._options)
         log.info(
