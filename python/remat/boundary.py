@@ -302,13 +302,16 @@ class NewStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.active:
-            return out
-        self._add_new(args, kwargs, out)
+        if self.active:
+            self._add_new(args, kwargs, out)
+            self._counted()
+        return out
+
+    def _counted(self) -> None:
+        """After an op's new storages are counted."""
         if self.bytes > self.peak:
             self.sweep()
             self.peak = max(self.peak, self.bytes)
-        return out
 
     def _add_new(self, args: tuple, kwargs: dict | None, out: Any) -> None:
         inputs = {

@@ -53,17 +53,12 @@ class _Capped(NewStorages):
         self.cap = cap
         self.over = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.active:
-            return out
-        self._add_new(args, kwargs, out)
+    def _counted(self) -> None:
         if self.bytes > self.cap:
             self.sweep()
             if self.bytes > self.cap:
                 self.over, self.active = True, False
                 raise _OverCap
-        return out
 
 
 def step_peak(
