@@ -49,7 +49,8 @@ def build(name: str) -> torch.nn.Module:
 
 class Planning(logging.Handler):
     """Seconds of each ``planned ... in X s`` line remat logs (and of measuring plain PyTorch's
-    step), by the step that logged it, and where the model runs itself."""
+    step, solving a level at smaller sizes a call needs and building a plan's phases at its first
+    run), by the step that logged it, and where the model runs itself."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -58,10 +59,11 @@ class Planning(logging.Handler):
         self.plain = "not measured"
 
     def emit(self, record: logging.LogRecord) -> None:
-        found = re.search(r"^(planned|a call beyond|measured plain).* in ([\d.]+) s$", record.getMessage())
+        message = record.getMessage()
+        found = re.search(r"^(planned|a call beyond|measured plain|solve at|build).* in ([\d.]+) s$", message)
         if found:
             self.seconds[self.step] = self.seconds.get(self.step, 0.0) + float(found.group(2))
-        runs = re.search(r"^measured plain PyTorch's step \(the model runs itself (.*)\) in", record.getMessage())
+        runs = re.search(r"^measured plain PyTorch's step \(the model runs itself (.*)\) in", message)
         if runs and self.step >= -1:
             self.plain = runs.group(1)
 
