@@ -37,7 +37,11 @@ def test_budgets_keep_results_and_memory(name: str, monkeypatch: pytest.MonkeyPa
     )
     for row in rows:
         print("  ", *row)
-    assert all(a >= b for a, b in zip(peaks, peaks[1:])), f"measured peaks rise as the budget falls: {peaks}"
+    # Each plan is the fastest within its own budget, not the smallest: at two nearby budgets the
+    # lower one's plan may peak a few bytes higher (cnn: 64 bytes, predicted and measured), never more
+    # than a thousandth of plain's peak on these models.
+    rise = ref.plain.peak // 1000
+    assert all(a + rise >= b for a, b in zip(peaks, peaks[1:])), f"measured peaks rise as the budget falls: {peaks}"
     assert peaks[-1] < ref.plain.peak, f"lowest budget did not lower the peak: {peaks[-1]} vs plain {ref.plain.peak}"
 
 
