@@ -107,10 +107,18 @@ def forward_outputs(g: JointGraph) -> dict[int, int]:
     return {b.target: g.value_of[o] for o, b in zip(c.outputs, c.output_bindings) if b.kind == "forward"}
 
 
-def output_bytes(g: JointGraph, indices: frozenset[int]) -> int:
-    """Bytes of the model's outputs ``indices`` (their own sizes, views included)."""
+def output_bytes(g: JointGraph, indices: frozenset[int], at: tuple[int, ...] | None = None) -> int:
+    """Bytes of the model's outputs ``indices`` (their own sizes, views included), at the values
+    ``at`` of the symbolic sizes (the bound by default)."""
     values = forward_outputs(g)
-    return sum(_nbytes(g, g.values[values[i]].source.meta["val"], g.values[values[i]].index) for i in indices)
+    if at is None or g.sizes is None:
+        return sum(_nbytes(g, g.values[values[i]].source.meta["val"], g.values[values[i]].index) for i in indices)
+    total = 0
+    for i in indices:
+        v = g.values[values[i]]
+        t = v.source.meta["val"] if v.index is None else v.source.meta["val"][v.index]
+        total += int(g.sizes.at(t.numel() * t.element_size(), at))
+    return total
 
 
 def estimated_outside(

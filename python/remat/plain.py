@@ -99,27 +99,46 @@ def step_peak(
         return peak(record.deltas, set(range(start, end)))
 
 
+# Eager autograd's peak over the graph's predicted plain peak, guessed until one is measured.
+_GUESSED_RATIO = 1.15
+# Measured runs searching one symbol, at most; the search stops once it knows the largest fitting
+# value within this share of it.
+_MEASURES = 5
+_CLOSE = 1 / 64
+
+
 def fitting_sizes(
     points: list[tuple[Values, list[int]]],
-    fits: Callable[[Values], bool],
+    measure: Callable[[Values], float | None],
+    guess: Callable[[Values, int, int, int, float], int | None],
     lowest: Values,
 ) -> list[Values]:
-    """The sizes at or below which the model's own step fits: for each ``(values, axes)`` of
-    ``points``, ``values`` where ``fits`` holds there, or else along each axis of ``axes`` the
-    largest value (bisected, down to ``lowest``'s) at which it holds."""
+    """The sizes at or below which the model's own step fits, each measured to: for each
+    ``(values, axes)`` of ``points``, ``values`` where it fits there, or else along each axis
+    of ``axes`` the largest value found to fit (down to ``lowest``'s). ``measure``: the step's
+    measured peak over its predicted one where it fits, else ``None``; ``guess(values, axis,
+    low, high, ratio)``: the largest value in ``(low, high)`` along ``axis`` predicted to fit
+    where the measured peak is ``ratio`` times the prediction, or ``None``. Each measurement
+    corrects the ratio, so a few runs find the value; where predictions miss, bisection does."""
     out: list[Values] = []
     for values, axes in points:
-        if fits(values):
+        if measure(values) is not None:
             out.append(values)
             continue
         for i in axes:
-            low, high = lowest[i] - 1, values[i]  # fits at low (or no value does), not at high
-            while high - low > 1:
-                mid = (low + high) // 2
-                if fits(values[:i] + (mid,) + values[i + 1 :]):
-                    low = mid
+            low, high, ratio = lowest[i] - 1, values[i], _GUESSED_RATIO  # fits at low (or none does), not at high
+            for _ in range(_MEASURES):
+                if high - low <= max(1, int(high * _CLOSE)):
+                    break
+                guessed = guess(values, i, low, high, ratio)
+                if guessed is None and low >= lowest[i]:
+                    break  # a value fits, and none above it is predicted to
+                at = guessed if guessed is not None and low < guessed < high else (low + high + 1) // 2
+                measured = measure(values[:i] + (at,) + values[i + 1 :])
+                if measured is None:
+                    high, ratio = at, ratio * _GUESSED_RATIO
                 else:
-                    high = mid
+                    low, ratio = at, measured
             if low >= lowest[i]:
                 out.append(values[:i] + (low,) + values[i + 1 :])
     return out

@@ -5,16 +5,18 @@ also guesses times from the bytes and FLOPs of each op), so a schedule can be pl
 anything runs. :func:`profile` then runs the graph on real tensors, in plain order or under such a
 schedule, so that profiling holds no more than the schedule does.
 
-On CUDA: CUDA events (median of several runs) and the allocator's peak for temporaries. On CPU:
-``time.perf_counter`` (median), and temporaries from a second run whose allocations the
-profiler records (``memory.Allocations``), as CPU kernels allocate scratch that no tensor
-shows (dropout's float mask is as large as its input). A value whose storage is already held
-by a live value is an alias of it and costs nothing.
+On CUDA: CUDA events (median of up to three runs) and the allocator's peak for temporaries. On
+CPU: ``time.perf_counter``, and temporaries from one more run of the op under the allocators'
+events (``memory.Allocations``), as CPU kernels allocate scratch that no tensor shows (dropout's
+float mask is as large as its input). An op is measured once per signature (its arguments'
+sizes, layouts and dtypes), so a model's repeated layers cost one measurement. A value whose
+storage is already held by a live value is an alias of it and costs nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import collections.abc
 import logging
 import statistics
 import time
@@ -37,6 +39,8 @@ log = logging.getLogger("remat")
 _BYTES_PER_SECOND = 1e11
 _FLOPS_PER_SECOND = 1e13
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+# An op timed for this long in all is timed no more.
+_LONG = 0.01
 
 
 def estimate(g: JointGraph) -> None:
@@ -92,34 +96,23 @@ def profile(
     Without ``schedule`` the nodes run in order and each value is dropped after its last use, so
     profiling holds what plain PyTorch's step holds. With one, its ops run (recomputations and
     frees included), so profiling holds what that schedule holds, plus one node's outputs while
-    it is timed. Each node is timed on its first run. Gradients no node reads are dropped once
-    made. The caller's RNG state is left as it was.
+    it is measured. A node is measured on its first run, where no node before it ran the same op
+    on tensors of the same sizes, layouts and dtypes (a model's repeated layers are measured
+    once): it is timed again ``repeats`` times at most, and on CPU run once more under the
+    allocators' events for its temporaries. Gradients no node reads are dropped once made. The
+    caller's RNG state is left as it was.
     """
     forward, backward = _ops(g, schedule)
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
     devices = {t.device for t in inputs.values() if t is not None and t.device.type == "cuda"}
+    cpu_temps = not devices and not profiler_running()
+    if not devices and not cpu_temps:
+        log.warning(
+            "torch.profiler is running: remat does not measure the scratch memory inside CPU ops "
+            "(planning records it with the profiler), so the plan may exceed its budget by an op's scratch"
+        )
     with torch.random.fork_rng(devices=list(devices)), torch.no_grad():
-        _Run(g, relayout, repeats).all(inputs, tangents, forward, backward)
-        if not devices and profiler_running():
-            log.warning(
-                "torch.profiler is running: remat does not measure the scratch memory inside CPU ops "
-                "(planning records it with the profiler), so the plan may exceed its budget by an op's scratch"
-            )
-        elif not devices:
-            with Allocations() as record:
-                run = _Run(g, relayout, repeats, record=True)
-                run.all(inputs, tangents, forward, backward)
-            temps: dict[int, int] = {}
-            for label, (node_id, grads) in enumerate(run.labels):  # a node recomputed runs more than once
-                start, end = record.span(str(label))
-                # a gradient output becomes a parameter's .grad, which the plan does not count
-                made = {record.addresses[i]: i for i in range(start, end) if record.deltas[i][1] > 0}
-                skip = {made[ptr] for ptr in grads if ptr in made}
-                new = sum(d for s, d in record.deltas[start:end] if s not in skip)
-                temp = peak(record.deltas, skip, start, end) - new
-                temps[node_id] = max(temps.get(node_id, 0), temp)
-            for node_id, temp in temps.items():
-                g.nodes[node_id].temp_bytes += temp
+        _Run(g, relayout, repeats, cpu_temps).all(inputs, tangents, forward, backward)
 
 
 def _ops(g: JointGraph, schedule: Schedule | None) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
@@ -138,20 +131,17 @@ def _ops(g: JointGraph, schedule: Schedule | None) -> tuple[tuple[Op, ...], tupl
 
 
 class _Run:
-    """The tensors alive while profiling, and who owns each storage."""
+    """The tensors alive while profiling, who owns each storage, and what each op signature
+    measured."""
 
-    def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int, record: bool = False) -> None:
-        self.g, self.relayout, self.repeats = g, relayout, repeats
-        # with ``record``, each op runs once in a span of the recording labeled by its index in
-        # ``labels`` (the node id and the addresses of its gradient outputs), and nothing else is
-        # measured
-        self.record = record
-        self.labels: list[tuple[int, set[int]]] = []
+    def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int, cpu_temps: bool) -> None:
+        self.g, self.relayout, self.repeats, self.cpu_temps = g, relayout, repeats, cpu_temps
         self.grads = {v for v, kind in g.outputs if kind == "grad"}
         self.env: dict[int, torch.Tensor | None] = {}
         self.owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
         self.holders: collections.Counter[int] = collections.Counter()  # data_ptr -> live values on it
-        self.timed: set[int] = set()
+        self.measured: set[int] = set()
+        self.known: dict[tuple, tuple[float, int]] = {}  # an op's signature -> (time, temporary bytes)
         # gradients no node reads: they would be the parameters' .grad, which planning need not hold
         read = {v for n in g.nodes for v in n.inputs}
         self.unread_grads = self.grads - read
@@ -197,20 +187,15 @@ class _Run:
         sized = map_sizes((node.fx_node.args, node.fx_node.kwargs), g.concrete)
         args, kwargs = torch.fx.node.map_arg(sized, lambda a: env[g.value_of[a]])
         fn = node.fx_node.target
-        first = node.id not in self.timed and not self.record
-        cuda = first and _on_cuda(node, env)
+        grads = tuple(i for i, v in enumerate(node.outputs) if v in self.grads)
+        key = (fn, _signature(args), _signature(kwargs), grads) if node.id not in self.measured else None
+        known = self.known.get(key) if key is not None else None
+        cuda = key is not None and known is None and _on_cuda(node, env)
         before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            if self.record:
-                with Allocations.label(str(len(self.labels))):
-                    result = fn(*args, **kwargs)
-                grads = self.grads.intersection(node.outputs)
-                ptrs = {_element(result, g.values[v].index).untyped_storage().data_ptr() for v in grads}
-                self.labels.append((node.id, ptrs))
-            else:
-                result = fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # an op whose traced and real behaviour differ
@@ -226,19 +211,53 @@ class _Run:
                 self.drop(vid)
             new = self.hold(vid, _element(result, g.values[vid].index), count=True)
             new_bytes += 0 if vid in self.grads else new  # a parameter's .grad is not counted
-        if not first:
+        del result
+        if key is None:
             return
-        self.timed.add(node.id)
-        if cuda:
-            node.temp_bytes = max(0, high - before - new_bytes)
+        self.measured.add(node.id)
+        if known is None:
+            if cuda:
+                temp = max(0, high - before - new_bytes)
+            else:
+                temp = (
+                    _cpu_temp(fn, args, kwargs, [g.values[node.outputs[i]].index for i in grads])
+                    if self.cpu_temps
+                    else 0
+                )
+            known = self.known[key] = (_time(fn, args, kwargs, self.repeats, _on_cuda(node, env)), temp)
+        node.time, node.temp_bytes = known
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
             param = self.relayout.get(vid)
             if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):
                 node.temp_bytes += env[vid].untyped_storage().nbytes()
-        del result
-        node.time = _time(fn, args, kwargs, self.repeats, _on_cuda(node, env))
         for vid in self.unread_grads.intersection(node.outputs):
             self.drop(vid)
+
+
+def _signature(args: Any) -> Any:
+    """What an op's time and temporaries depend on: its arguments, each tensor by its sizes,
+    layout, dtype and device."""
+    if isinstance(args, torch.Tensor):
+        return (args.dtype, args.device, tuple(args.shape), args.stride(), args.storage_offset(), args.requires_grad)
+    if isinstance(args, (tuple, list)):
+        return tuple(_signature(a) for a in args)
+    if isinstance(args, dict):
+        return tuple((k, _signature(v)) for k, v in args.items())
+    return args if isinstance(args, collections.abc.Hashable) else repr(args)
+
+
+def _cpu_temp(fn, args: tuple, kwargs: dict, grads: list[int | None]) -> int:
+    """The bytes an op allocates inside it beyond its outputs (a CPU dropout's float mask, a
+    kernel's scratch), from one more run under the allocators' events; the outputs at ``grads``
+    (indices into its result: parameters' gradients, which the plan does not count) left out."""
+    with Allocations() as record:
+        result = fn(*args, **kwargs)
+        ptrs = {_element(result, i).untyped_storage().data_ptr() for i in grads}
+    del result
+    made = {record.addresses[i]: i for i, (_, delta) in enumerate(record.deltas) if delta > 0}
+    skip = {made[ptr] for ptr in ptrs if ptr in made}
+    new = sum(d for s, d in record.deltas if s not in skip)
+    return peak(record.deltas, skip) - new
 
 
 def _claim(value, key: int, nbytes: int, owner_of: dict[int, int], may_alias: bool = True) -> int:
@@ -286,4 +305,6 @@ def _time(fn, args, kwargs, repeats: int, cuda: bool) -> float:
             t0 = time.perf_counter()
             fn(*args, **kwargs)
             samples.append(time.perf_counter() - t0)
+        if sum(samples) > _LONG:  # long enough that one more run tells little
+            break
     return statistics.median(samples)
