@@ -167,7 +167,7 @@ def test_planning_logs_its_stages_and_shows_progress(
     caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("tqdm")
-    monkeypatch.setattr(remat.stages, "BAR_DELAY", 0.0)
+    monkeypatch.setattr(remat.progress, "BAR_DELAY", 0.0)
     model = _gpt2()
     with caplog.at_level(logging.INFO, logger="remat"):
         rm = remat.Remat(model, _tokens(2), 0.5)

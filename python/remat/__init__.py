@@ -22,10 +22,10 @@ from .errors import (
     ScheduleError,
     SolverError,
 )
-from .graphs import Graphs, render
 from .module import Remat, graphs
 from .plans import PlanReport
 from .schedule import Op, Prediction, Schedule, SolverInfo
+from .stages import Graphs, render
 
 __all__ = [
     "Backend",

@@ -23,11 +23,11 @@ from typing import Any
 
 from . import _core
 from .errors import RematError
-from .graphs import Graphs, JointStage, render
 from .planner import Planner, SolverOptions
 from .plot import plot, predicted_curve
+from .progress import planning, stage
 from .schedule import Schedule
-from .stages import planning, stage
+from .stages import Graphs, JointStage, render
 
 
 def parse_budget(text: str) -> int | float:

@@ -31,7 +31,6 @@ from .errors import (
 )
 from .fit import PlanInputs
 from .graph import JointGraph
-from .graphs import Graphs, JointStage
 from .measure import LossMeasure, State
 from .memory import Allocations, storage_ptrs
 from .planner import Solver
@@ -53,9 +52,10 @@ from .plans import (
     warn_if_slow,
 )
 from .plot import measured_curve, plot, predicted_curve
+from .progress import planning, stage
 from .saved import Saved, fingerprint, load, path_of, save
 from .sizes import Dynamic, Sizes, dynamic_dims
-from .stages import planning, stage
+from .stages import Graphs, JointStage
 from .trace import captured, profiled
 
 log = logging.getLogger("remat")

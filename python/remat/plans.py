@@ -36,9 +36,9 @@ from .graph import JointGraph
 from .inductor import compiled_times
 from .memory import profiler_running
 from .planner import Planner, SolverOptions
+from .progress import stage
 from .rng import rng_state_bytes
 from .schedule import Schedule
-from .stages import stage
 from .step import Step, input_grads
 from .trace import graph_inputs
 

@@ -13,7 +13,7 @@ from .boundary import Outside, copy_profile
 from .capture import capture, flatten_inputs
 from .graph import JointGraph, accumulate_in_place, build_graph
 from .profile import estimate, profile
-from .stages import stage
+from .progress import stage
 
 
 def trace(
