@@ -13,19 +13,24 @@ again once a size changes) takes its sizes as inputs besides its tensors: its ``
 each from a tensor's dimension of the same symbol, and plans for every size up to the first
 call's (``Remat``'s ``dynamic``), compiled once through Inductor; a larger call plans once more.
 
-With graph breaks a step runs several graphs, one after the other, and each holds its outputs
-and saved activations until its backward. A graph's share of a budget in bytes is the budget
-less what the graphs before it in the step hold (``Remat.held_bytes``), less the smallest
-budgets of the graphs after it in the last step, so that each of them still fits. The first step
-meets the graphs in order and knows none after the current one: a graph that finds less than
-its smallest budget runs at that budget, with a warning naming the bytes, and each graph plans
-again for its share on the next step. A fraction is of each graph's own plain peak.
+With graph breaks a step runs several graphs, one after the other, and each call holds its
+outputs and saved activations until its backward. A graph may be called several times in a step
+(the identical blocks of a model, each behind a graph break, such as FSDP2's ``fully_shard``
+units, run one graph): each call has a plan of its own (``Remat._sibling``: planned from the
+graph captured and profiled once). A call's plan has the budget less what the calls before it in
+the step hold (``PlanReport.held_bytes``, and the inputs they released that its backward reads)
+and less its inputs made by those calls; between its forward and its backward it keeps room for
+what the calls after it in the last step need there (each at its smallest budget, one after the
+other), or for the loss after the last call of a step. The first step meets the calls in order
+and knows none after the current one: a call that finds less than its smallest budget runs at
+that budget, with a warning naming the bytes, and each call plans again for its share on the
+next step. A fraction is of each graph's own plain peak.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,15 +64,15 @@ def backend(
 
 
 class Backend:
-    """The graphs of one compiled model and how the budget is shared among them."""
+    """The graphs of one compiled model and how the budget is shared among their calls."""
 
     def __init__(self, budget: int | float | None, options: dict[str, Any], plan_dir: str | None) -> None:
         self.budget = budget
         self._options = options
         self._plan_dir = plan_dir
         self.graphs: list[Graph] = []  # in the order they were compiled
-        self._step: list[Graph] = []  # the graphs the current step has run, in order
-        self._last: list[Graph] | None = None  # those of the step before
+        self._step: list[_Call] = []  # the calls of the current step, in order
+        self._last: list[_Call] | None = None  # those of the step before
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         try:
@@ -82,19 +87,81 @@ class Backend:
         self.graphs.append(graph)
         return graph
 
-    def share(self, graph: Graph) -> int | float | None:
-        """The budget of ``graph`` for this step's call (see the module's docstring)."""
-        # A new step: the graph ran in this one already, or every graph of it has run its backward
-        # (after a new input shape, Dynamo's graphs for it are new)
-        if graph in self._step or (self._step and not any(g.holding for g in self._step)):
+    def call(self, graph: Graph) -> _Call:
+        """A training call of ``graph``: the first of a new step where the calls of the step so
+        far that held activations have all run their backward (where none held any: where the
+        graph ran in it already)."""
+        held = any(c.held for c in self._step)
+        if self._step and (
+            not any(c.holding for c in self._step) if held else any(c.graph is graph for c in self._step)
+        ):
             self._last, self._step = self._step, []
-        self._step.append(graph)
+        call = _Call(graph, sum(c.graph is graph for c in self._step))
+        self._step.append(call)
+        return call
+
+    def share(self, call: _Call) -> tuple[int | float | None, int | None]:
+        """The budget of ``call``, and what runs between its forward and its backward: the loss
+        (``None``) where it ended the last step, or before a step has ended; else the bytes the
+        calls after it in the last step need meanwhile (see the module's docstring)."""
+        last = self.last_of_step(call)
+        after = None if last is None or last else self.need(self._after(call))
         if not isinstance(self.budget, int):
-            return self.budget
-        before = sum(g.remat.plan.held_bytes for g in self._step[:-1] if g.remat is not None)
-        last = self._last or []
-        after = last[last.index(graph) + 1 :] if graph in last else []
-        return max(self.budget - before - sum(g.smallest for g in after), 0)
+            return self.budget, after
+        before = sum(c.held_bytes for c in self._step[:-1])
+        return max(self.budget - before - call.inputs, 0), after
+
+    def need(self, calls: list[_Call]) -> int:
+        """The bytes ``calls`` need, one after the other: each its activation inputs and its
+        smallest budget with room between its forward and backward for what the calls after it
+        need (the loss after the last of a step)."""
+        need = 0
+        for c in reversed(calls):
+            remat, after = c.remat, None if self.last_of_step(c) else need
+            need = c.inputs + (0 if remat is None or remat._plan is None else remat._smallest(after))
+        return need
+
+    def _after(self, call: _Call) -> list[_Call]:
+        """The calls after ``call`` in the last step, where that step had ``call`` in its place."""
+        last, at = self._last or [], len(self._step) - 1
+        if at < len(last) and last[at].same(call):
+            return last[at + 1 :]
+        return []
+
+    def last_of_step(self, call: _Call) -> bool | None:
+        """Whether ``call`` ended the last step (its loss follows it); ``None`` before a step ended."""
+        if self._last is None:
+            return None
+        return bool(self._last) and self._last[-1].same(call)
+
+
+@dataclass
+class _Call:
+    """One call of a graph in a step: the graph, how many calls of it came before in the step,
+    and whether its backward is still to run."""
+
+    graph: Graph
+    occurrence: int
+    # Bytes of its inputs that are activations (made by the graphs before it, which may let go of
+    # them: the call's plan counts none of its inputs), and of those its backward reads
+    inputs: int = 0
+    saved: int = 0
+    holding: bool = False
+    held: bool = False  # whether it held activations for a backward
+
+    def same(self, other: _Call) -> bool:
+        return self.graph is other.graph and self.occurrence == other.occurrence
+
+    @property
+    def remat(self) -> Remat | None:
+        remats = self.graph.remats
+        return remats[self.occurrence] if self.occurrence < len(remats) else None
+
+    @property
+    def held_bytes(self) -> int:
+        """What the call holds until its backward (0 before it is planned)."""
+        plan = None if self.remat is None else self.remat._plan
+        return 0 if plan is None else plan.held_bytes() + self.saved
 
 
 def _sizes_from_tensors(gm: fx.GraphModule, example_inputs: list) -> _SizesFromTensors | None:
@@ -147,96 +214,92 @@ class _SizesFromTensors(nn.Module):
 
 
 class Graph:
-    """One captured graph: plain without grad, otherwise run by a ``Remat`` planned for its share
-    (of ``sized``, the graph that reads its sizes from its tensors, where it has symbolic sizes)."""
+    """One captured graph: plain without grad, otherwise each of its calls in a step run by a
+    ``Remat`` planned for the call's share (of ``sized``, the graph that reads its sizes from its
+    tensors, where it has symbolic sizes)."""
 
     def __init__(self, owner: Backend, gm: fx.GraphModule, sized: _SizesFromTensors | None = None) -> None:
         self.owner = owner
         self.gm = gm
         self.sized = sized
-        self.remat: Remat | None = None
-        self._asked: int | float | None = None  # the share last planned for
-        self.holding = False  # whether its last call's backward is still to run
+        self.remats: list[Remat] = []  # by the call's place among the graph's calls in a step
+        self._asked: list[tuple | None] = []  # the share and ``after`` each last planned for
 
     @property
-    def smallest(self) -> int:
-        """The smallest budget the graph can be planned at, 0 before planning: once a step has run,
-        with room for the estimated loss in the last graph of the step and none in the others;
-        before, without room for a loss or any output's gradient."""
-        if self.remat is None:
-            return 0
-        last = self.owner._last
-        if not last:
-            return self.remat.min_budget_without_loss
-        return self.remat._min_budget_estimated(loss=self is last[-1])
+    def remat(self) -> Remat | None:
+        """The plan of the graph's first call in a step."""
+        return self.remats[0] if self.remats else None
 
     def __call__(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.gm(*args)
-        share = self.owner.share(self)
-        last = self.owner._last
-        if self.remat is not None and last is not None:
-            self.remat._loss_after = self is last[-1]
-        if self.remat is None:
-            self._plan(args, share)
-        elif share != self._asked:
-            self._replan(share)
+        call = self.owner.call(self)
+        inputs = self._inputs(args)
+        call.inputs = _activation_bytes(inputs)
+        share, after = self.owner.share(call)
+        k = call.occurrence
+        if k == len(self.remats) or (share, after) != self._asked[k]:
+            self._fit(call, args, share, after)
         try:
-            out = self.remat(*self._inputs(args))  # plans again where the first step told the outputs' gradients
+            out = self.remats[k](*inputs)  # plans again where the first step told the outputs' gradients
         except InfeasibleBudget as exc:
             raise self._infeasible(exc) from None
-        self._hold_until_backward(out)
+        plan = self.remats[k]._plan
+        if plan is not None:
+            call.saved = _activation_bytes(inputs, _read_by_backward(plan))
+        self._hold_until_backward(call, out)
         return out
 
-    def _hold_until_backward(self, out: Any) -> None:
-        """Marks the graph as holding its activations until the backward of its outputs runs."""
+    def _hold_until_backward(self, call: _Call, out: Any) -> None:
+        """Marks ``call`` as holding its activations until the backward of its outputs runs."""
         node = next((t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn), None)
-        self.holding = node is not None
+        call.holding = call.held = node is not None
         if node is not None:
 
             def release(*_: Any) -> None:
-                self.holding = False
+                call.holding = False
 
             node.register_hook(release)
 
-    def _plan(self, args: tuple, share: int | float | None) -> None:
+    def _new_remat(self, occurrence: int) -> Remat:
+        """The ``Remat`` of the graph's ``occurrence``-th call in a step, to be planned: the first
+        captures the graph; the others plan from its captured and profiled graph."""
+        if occurrence:
+            return self.remats[0]._sibling(None)
+        # A graph of static shapes (Dynamo compiles one per shape) is planned for them; one of
+        # symbolic sizes, for every size up to this call's (a larger call plans once more)
+        model, dynamic = (self.gm, False) if self.sized is None else (self.sized, self.sized.dynamic)
         o = self.owner
-
-        def plan(budget: int | float | None) -> None:
-            # A graph of static shapes (Dynamo compiles one per shape) is planned for them; one of
-            # symbolic sizes, for every size up to this call's (a larger call plans once more)
-            model, dynamic = (self.gm, False) if self.sized is None else (self.sized, self.sized.dynamic)
-            self.remat = Remat(
-                model,
-                self._inputs(args),
-                budget,
-                plan_dir=o._plan_dir,
-                measure_loss=False,
-                dynamic=dynamic,
-                **o._options,
-            )
-
-        self._fit(share, plan)
+        return Remat(model, None, None, plan_dir=o._plan_dir, measure_loss=False, dynamic=dynamic, **o._options)
 
     def _inputs(self, args: tuple) -> tuple:
         """The call's inputs as the plan takes them: the tensors alone where sizes are read from them."""
         return args if self.sized is None else tuple(a for a in args if isinstance(a, torch.Tensor))
 
-    def _replan(self, share: int | float | None) -> None:
-        assert self.remat is not None
-        self._fit(share, self.remat.set_budget)
-
-    def _fit(self, share: int | float | None, plan: Callable[[int | float | None], None]) -> None:
-        """``plan(share)``; on the first step, where a byte share is too small, ``plan`` at the
-        smallest budget with a warning (later steps know every graph's needs: they raise)."""
-        self._asked = share
+    def _fit(self, call: _Call, args: tuple, share: int | float | None, after: int | None) -> None:
+        """Plans ``call`` for ``share`` with ``after`` (``Remat._after``); on the first step, where
+        a byte share is too small, at the smallest budget with a warning (later steps know every
+        call's needs: they raise)."""
+        k = call.occurrence
+        if k == len(self.remats):
+            self.remats.append(self._new_remat(k))
+            self._asked.append(None)
+        remat, self._asked[k] = self.remats[k], (share, after)
+        remat._after = after
         try:
-            plan(share)
+            self._plan(remat, args, share)
         except InfeasibleBudget as exc:
             if self.owner._last is not None or not isinstance(share, int):
                 raise self._infeasible(exc) from None
             self._warn(exc)
-            plan(exc.min_budget)
+            self._plan(remat, args, exc.min_budget)
+
+    def _plan(self, remat: Remat, args: tuple, budget: int | float | None) -> None:
+        if remat._plans:
+            remat._plan_all(budget)
+        else:
+            remat._budget_arg = budget
+            remat.plan_for(self._inputs(args))
 
     def _warn(self, exc: InfeasibleBudget) -> None:
         warnings.warn(
@@ -247,11 +310,29 @@ class Graph:
         )
 
     def _infeasible(self, exc: InfeasibleBudget) -> InfeasibleBudget:
-        """The budget is too small for the step's graphs together (a byte budget: a fraction of
+        """The budget is too small for the step's calls together (a byte budget: a fraction of
         each graph's own peak fits whenever each graph's does)."""
         o = self.owner
-        graphs = o._last or []
-        if not isinstance(o.budget, int) or len(graphs) < 2:
+        calls = o._last or []
+        if not isinstance(o.budget, int) or len(calls) < 2:
             return exc
-        needs = sum(exc.min_budget if g is self else g.smallest for g in graphs)
-        return InfeasibleBudget(o.budget, needs, graphs=len(graphs))
+        needs = o.need(calls)
+        return exc if needs <= o.budget else InfeasibleBudget(o.budget, needs, graphs=len(calls))
+
+
+def _activation_bytes(inputs: tuple, only: set[int] | None = None) -> int:
+    """Bytes of the storages of the tensors of ``inputs`` (those at the positions ``only``) that
+    the step's autograd graph made: activations, not parameters or data."""
+    storages = {}
+    for i, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None and (only is None or i in only):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _read_by_backward(plan: Any) -> set[int]:
+    """The positions of the call's inputs that ``plan``'s backward phase reads."""
+    g, read = plan.graph, set(plan.phases.backward_inputs)
+    placeholders = zip(g.captured.placeholders, g.captured.bindings)
+    return {b.target for ph, b in placeholders if b.kind == "input" and g.value_of[ph] in read}

@@ -41,10 +41,10 @@ class InfeasibleBudget(RematError):
         self.min_budget = int(min_budget)
         if graphs is not None:
             message = (
-                f"budget of {self.budget} bytes does not fit the {graphs} graphs of the compiled step, each at its "
-                f"smallest budget while the graphs before it hold their activations; {self.min_budget} bytes "
-                f"({self.min_budget / 2**20:.2f} MiB, the sum of their smallest budgets) fits them all: pass "
-                f"budget >= {self.min_budget}, or remove the graph breaks"
+                f"budget of {self.budget} bytes does not fit the {graphs} graph calls of the compiled step, each at "
+                f"its smallest budget while the calls before it hold what their smallest plans hold; {self.min_budget} "
+                f"bytes ({self.min_budget / 2**20:.2f} MiB) fits them all: pass budget >= {self.min_budget}, or remove "
+                "the graph breaks"
             )
         else:
             what, fix = "model and sample", ""

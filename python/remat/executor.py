@@ -77,9 +77,11 @@ def build_phases(g: JointGraph, schedule: Schedule, compiled: bool = False, mark
 
 
 def held_bytes(g: JointGraph, phases: Phases) -> int:
-    """Predicted activation bytes alive between the phases: the outputs and what the backward reads."""
+    """Predicted activation bytes alive between the phases: the outputs and what the backward
+    reads (not the new values of buffers, copied into them, nor the loss's room)."""
+    buffers = {v for v, kind in g.outputs if kind == "buffer"}
     roots = set()
-    for v in (*phases.forward_outputs, *phases.saved):
+    for v in (*(v for v in phases.forward_outputs if v not in buffers), *phases.saved):
         while g.values[v].alias_of is not None:
             v = g.values[v].alias_of
         roots.add(v)

@@ -34,8 +34,10 @@ from .trace import graph_inputs, sample_tangents
 
 class PlanInputs:
     """The graph's input tensors to measure a plan with: the model's parameters and buffers, and
-    the sample's tensors while they live (zeros of their shapes after: the memory a static graph
-    holds does not depend on the values)."""
+    the sample's tensors while they live and hold their storage (zeros of their shapes after: the
+    memory a static graph holds does not depend on the values). FSDP2 frees the storage of the
+    unsharded parameters it passes a compiled graph once the module's forward ends, and compiled
+    code reading a freed storage crashes the process."""
 
     def __init__(self, model: nn.Module, tensors: list[torch.Tensor]) -> None:
         self.model = model
@@ -46,8 +48,17 @@ class PlanInputs:
         tensors = []
         for ref, (shape, dtype, device) in zip(self._refs, self._metas):
             t = ref()
-            tensors.append(torch.zeros(shape, dtype=dtype, device=device) if t is None else t.detach())
+            usable = t is not None and _holds_storage(t)
+            tensors.append(t.detach() if usable else torch.zeros(shape, dtype=dtype, device=device))
         return graph_inputs(g, self.model, tensors)
+
+
+def _holds_storage(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` lies within its storage (not freed or shrunk since)."""
+    if t.numel() == 0:
+        return True
+    extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
 
 
 def measured_peak(

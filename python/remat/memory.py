@@ -24,10 +24,13 @@ class Allocations:
 
     ``prior``: releases of memory allocated before count (as negative deltas), for a peak above
     what is alive at the start; by default they count 0, for a peak of what the code allocates.
+    ``marks``: prefixes of others' spans (``record_function``) whose allocations
+    :meth:`made_within` finds.
     """
 
-    def __init__(self, prior: bool = False) -> None:
+    def __init__(self, prior: bool = False, marks: tuple[str, ...] = ()) -> None:
         self.prior = prior
+        self.marks = marks
 
     def __enter__(self) -> Allocations:
         if profiler_running():
@@ -43,6 +46,7 @@ class Allocations:
     def __exit__(self, *exc: object) -> None:
         self._profiler.__exit__(*exc)
         spans: list[tuple[str, int, int]] = []
+        marked: list[tuple[int, int]] = []
         allocations: list[tuple[int, int, int]] = []  # (time, address, +bytes | -bytes)
         stack = list(self._profiler.kineto_results.experimental_event_tree())
         while stack:
@@ -52,10 +56,13 @@ class Allocations:
                 allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size))
             elif event.name.startswith(_LABEL):
                 spans.append((event.name[len(_LABEL) :], event.start_time_ns, event.end_time_ns))
+            elif self.marks and event.name.startswith(self.marks):
+                marked.append((event.start_time_ns, event.end_time_ns))
             stack.extend(event.children)
         allocations.sort(key=lambda a: a[0])
         times = [t for t, _, _ in allocations]
         self.spans = {name: (bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in spans}
+        self._marked = [(bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for s, e in marked]
         # (serial, +bytes | -bytes) per event: an allocation's serial is its index, a release takes
         # the serial of the allocation it releases (memory allocated before: its size with ``prior``, else 0)
         self.deltas: list[tuple[int, int]] = []
@@ -70,6 +77,10 @@ class Allocations:
                 self.deltas.append((self.live.pop(ptr), -sizes.pop(ptr)))
             else:
                 self.deltas.append((serial, nbytes if self.prior else 0))
+
+    def made_within(self) -> set[int]:
+        """Serials of the allocations made inside the spans of ``marks``."""
+        return {i for start, end in self._marked for i in range(start, end) if self.deltas[i][1] > 0}
 
     def alive_at(self, ptrs: set[int]) -> set[int]:
         """Serials of the recorded allocations still alive at the end at the addresses ``ptrs``."""
@@ -94,8 +105,15 @@ def profiler_running() -> bool:
 
 
 def storage_ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
-    """The addresses of the storages of ``tensors`` (``None`` skipped)."""
-    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+    """The addresses of the storages of ``tensors`` (``None`` skipped; a sharded ``DTensor``'s are
+    its local shard's)."""
+    return {_local(t).untyped_storage().data_ptr() for t in tensors if t is not None}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the local tensor of a ``DTensor`` (FSDP2's sharded parameters and gradients)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def peak(deltas: list[tuple[int, int]], skip: set[int], start: int = 0, end: int | None = None) -> int:

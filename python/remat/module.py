@@ -150,6 +150,7 @@ class Remat(nn.Module):
         check_budget(budget)
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
+        _check_not_sharded(model)
         self.model = model
         self.forward = _with_signature(self, model)
         self._register_state_dict_hook(_model_keys)
@@ -161,12 +162,15 @@ class Remat(nn.Module):
         self.dynamic = True if dynamic is None else dynamic
         self.plan_dir = plan_dir
         self.measure_loss = measure_loss
-        # Whether the step's loss runs between this module's forward and backward where no step
-        # measures it: not for a graph of a compiled model that other graphs follow (their shares
-        # of the budget hold what runs after it; ``remat.backend``).
-        self._loss_after = True
+        # What runs between this module's forward and backward: the step's loss (``None``), or,
+        # for a graph of a compiled model that other graphs follow, the bytes those use before its
+        # backward (``remat.backend``)
+        self._after: int | None = None
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._seen: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}  # a call's key -> its plan's, its sizes
+        # A plan's key -> its captured and profiled graph (shared with the ``Remat``s of ``_sibling``)
+        self._bases: dict[tuple, JointGraph] = {}
+        self._smallest_budgets: dict[tuple[int, Outside], int] = {}  # ``_smallest``'s
         self._current: _Planned | None = None
         self._marking = False  # whether steps run the marked phases (``plot_memory``)
         if sample is not None:
@@ -252,8 +256,14 @@ class Remat(nn.Module):
         t0 = time.perf_counter()
         budget, options, provisional = self._budget_arg, self._options, False
         measure = LossMeasure(self.measure_loss and budget is not None)
+        shared = self._bases.get(key)
         with planning(type(self.model).__name__, stages=2 if budget is None else 4):
-            base, args, kwargs = self._captured(args, kwargs)
+            if shared is None:
+                base, args, kwargs = self._captured(args, kwargs)
+            else:  # the call's own tensors, at the graph's bound
+                base = shared
+                if base.sizes is not None:
+                    args, kwargs = inputs_at(base, args, kwargs, base.sizes.bound)
             inputs = PlanInputs(self.model, flatten_inputs(args, kwargs)[0]) if options.compile else None
             file = self._plan_file(base)
             if file is not None and file.path.exists():
@@ -266,8 +276,10 @@ class Remat(nn.Module):
                 log.info("read the plan from %s", file.path)
             else:
                 # With a budget, measuring runs a first schedule planned from sizes and estimated times.
-                first = None if budget is None else lambda g: profiling_plan(g, budget, options)
-                profiled(base, self.model, args, kwargs, first)
+                if shared is None:
+                    first = None if budget is None else lambda g: profiling_plan(g, budget, options)
+                    profiled(base, self.model, args, kwargs, first)
+                    self._bases[key] = base
                 if budget is None:
                     plan = make_plan(base, Outside(0), None, options)
                 elif options.compile and not measure.done:
@@ -313,6 +325,29 @@ class Remat(nn.Module):
         fp = fingerprint(base, self._budget_arg, (o.solver, o.time_limit, o.mip_gap, o.slots, o.compile))
         return _PlanFile(path_of(self.plan_dir, fp), fp)
 
+    def _sibling(self, budget: int | float | None) -> Remat:
+        """A ``Remat`` of the same model and settings for ``budget``, which plans from this one's
+        captured and profiled graphs, capturing and profiling none again (``remat.backend``: a
+        graph that a step calls several times, one per call, each planned for its share)."""
+        o = self._options
+        rm = Remat(
+            self.model,
+            None,
+            budget,
+            solver=o.solver,
+            time_limit=o.time_limit,
+            mip_gap=o.mip_gap,
+            slots=o.slots,
+            compile=o.compile,
+            max_plans=self.max_plans,
+            dynamic=self.dynamic,
+            plan_dir=self.plan_dir,
+            measure_loss=self.measure_loss,
+        )
+        rm._bases = self._bases
+        rm._after = self._after
+        return rm
+
     def set_budget(self, budget: int | float | None) -> None:
         """Plans every kept plan again for ``budget`` (as in ``Remat(...)``), from its captured and
         profiled graph and its measured loss; raises ``InfeasibleBudget`` and keeps the plans if
@@ -320,7 +355,11 @@ class Remat(nn.Module):
         check_budget(budget)
         if self.solver == "none" or budget == self._budget_arg:
             return
-        plans = {key: _plan_again(p, budget, self._options, self._loss_after) for key, p in self._plans.items()}
+        self._plan_all(budget)
+
+    def _plan_all(self, budget: int | float | None) -> None:
+        """``set_budget``, also where the budget is the same (what runs after the forward changed)."""
+        plans = {key: _plan_again(p, budget, self._options, self._after) for key, p in self._plans.items()}
         self._budget_arg = budget
         for key, plan in plans.items():
             planned = self._plans[key]
@@ -348,12 +387,17 @@ class Remat(nn.Module):
         gradient or stays held (where the first plan falls back to when nothing else fits)."""
         return None if self._current is None else min_without_loss(self._current.base)
 
-    def _min_budget_estimated(self, loss: bool) -> int:
-        """The smallest budget with room for the loss estimated over the outputs the first step
-        differentiated (all, before a step has told them); without ``loss``, with none."""
+    def _smallest(self, after: int | None) -> int:
+        """The smallest budget where ``after`` runs between the forward and the backward (``_after``:
+        the loss, estimated over the outputs the first step differentiated, all before a step has
+        told them; or that many bytes)."""
         assert self._current is not None
         base, learned = self._current.base, self._current.measure.learned
-        return min_with(base, estimated_loss(base, learned, loss))
+        outside = estimated_loss(base, learned, after)
+        key = (id(base), outside)
+        if key not in self._smallest_budgets:
+            self._smallest_budgets[key] = min_with(base, outside)
+        return self._smallest_budgets[key]
 
     @property
     def graphs(self) -> Graphs | None:
@@ -427,10 +471,10 @@ class Remat(nn.Module):
         with those it let go of before the backward released (where the loss is not measured: a
         compiled caller, ``measure_loss=False``)."""
         learned = planned.measure.take_learned()
-        estimate = estimated_loss(planned.base, learned, self._loss_after)
+        estimate = estimated_loss(planned.base, learned, self._after)
         if self._budget_arg is None or (planned.plan.outside == estimate and not planned.provisional):
             return
-        plan = first_plan(planned.base, self._budget_arg, self._options, planned.inputs, learned, self._loss_after)
+        plan = first_plan(planned.base, self._budget_arg, self._options, planned.inputs, learned, self._after)
         planned.adopt(plan, self._options)
         log.info(
             "planned again for the loss estimated without the %d outputs given no gradient, %d outputs released",
@@ -469,11 +513,12 @@ class Remat(nn.Module):
         )
 
 
-def _plan_again(planned: _Planned, budget: int | float | None, options: Options, loss: bool) -> Plan:
-    """``planned`` for another budget: for its measured loss, or as before a step measured it."""
+def _plan_again(planned: _Planned, budget: int | float | None, options: Options, after: int | None) -> Plan:
+    """``planned`` for another budget: for its measured loss, or as before a step measured it
+    (``after``: ``first_plan``'s)."""
     if planned.measure.measured:
         return make_plan(planned.base, planned.plan.outside, budget, options, planned.inputs)
-    return first_plan(planned.base, budget, options, planned.inputs, planned.measure.learned, loss)
+    return first_plan(planned.base, budget, options, planned.inputs, planned.measure.learned, after)
 
 
 # The model's attributes a ``Remat`` shows as its own: what frameworks read of a transformers
@@ -607,6 +652,25 @@ def _as_call(sample: Any) -> tuple[tuple, dict]:
     if isinstance(sample, tuple):
         return sample, {}
     return (sample,), {}
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    """``CaptureError`` for a model FSDP2 shards (``fully_shard``): its parameters are gathered by
+    hooks around each unit's forward and backward, which a joint graph of the whole model does
+    not run; ``remat.backend`` plans each unit's graph between them."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return
+    sharded = [name or "the model" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        named = ", ".join(sharded[:3]) + (", ..." if len(sharded) > 3 else "")
+        raise CaptureError(
+            f"{type(model).__name__} is sharded by FSDP2 ({named} called fully_shard), and remat.Remat "
+            "captures the whole model as one graph, without FSDP2's gathers: "
+            "use torch.compile(model, backend=remat.backend(budget)), which plans each sharded unit's graph for its "
+            "share of the budget while FSDP2 gathers, frees and reduces as it does alone"
+        )
 
 
 def _check_device(model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -202,16 +202,17 @@ def first_plan(
     options: Options,
     inputs: PlanInputs | None = None,
     learned: Outside | None = None,
-    loss: bool = True,
+    after: int | None = None,
 ) -> Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much of
     it as the budget allows; where even none fits, the plan assumes no output gets a gradient or
     stays held (the loss is inside the model), which the first step checks. ``learned``: the
     outputs a step gave no gradient and those it released, where no step measures the loss; the
     estimate over the others is then all remat knows of the loss, and a budget without room for it
-    raises ``InfeasibleBudget``; without ``loss``, no loss runs between the phases. A fraction is of
-    the plain step's peak with the estimated loss. ``inputs``: to fit compiled phases with."""
-    estimate = estimated_loss(base, learned, loss)
+    raises ``InfeasibleBudget``; ``after``: bytes in the loss's place (``estimated_loss``). A
+    fraction is of the plain step's peak with the estimated loss. ``inputs``: to fit compiled
+    phases with."""
+    estimate = estimated_loss(base, learned, after)
     made: dict[Outside, _WithOutside] = {}  # each graph with an outside made once
 
     def fits(outside: Outside) -> bool:
@@ -262,12 +263,14 @@ def profiling_plan(base: JointGraph, budget: int | float, options: Options) -> P
     return plan
 
 
-def estimated_loss(base: JointGraph, learned: Outside | None, loss: bool) -> Outside:
+def estimated_loss(base: JointGraph, learned: Outside | None, after: int | None) -> Outside:
     """The estimated loss room over the outputs but ``learned.no_grad``, with ``learned``'s
-    outputs without gradient and released; no room without ``loss``."""
+    outputs without gradient and released; where ``after`` is a number of bytes, no loss runs
+    after the forward, and the room is that many bytes (``remat.backend``: those the graphs after
+    this one use before its backward)."""
     no_grad, released = (frozenset(), frozenset()) if learned is None else (learned.no_grad, learned.released)
-    if not loss:
-        return Outside(0, 0, no_grad, released)
+    if after is not None:
+        return Outside(after, 0, no_grad, released)
     return estimated_outside(base, no_grad, released)
 
 

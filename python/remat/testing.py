@@ -21,7 +21,12 @@ from .memory import Allocations, peak, storage_ptrs
 @dataclass
 class StepMemory:
     peak_bytes: int  # activation peak: live storages created by the step, gradients excluded
-    peak_with_grads: int  # the same, parameter gradients included
+    peak_with_grads: int  # every allocation: parameter gradients and FSDP2's gathered parameters included
+
+
+# FSDP2's spans whose allocations are parameters and gradients: the unsharded parameters it
+# gathers (and frees after the unit's forward or backward), and the buffers it reduces gradients in.
+_FSDP_PARAMETERS = ("FSDP::all_gather", "FSDP::post_backward_reduce")
 
 
 def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemory:
@@ -30,11 +35,13 @@ def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemo
 
     ``keep``: tensors alive before the step (parameters, buffers, inputs, optimizer state); their
     memory is not counted. Parameters' ``.grad`` after the step are what counts as gradients.
+    Under FSDP2 (``fully_shard``) the parameters it gathers and the buffers it reduces gradients
+    in are parameters and gradients: ``peak_with_grads`` counts them.
     """
     params = [t for t in keep if isinstance(t, torch.nn.Parameter)]
-    with Allocations() as record:
+    with Allocations(marks=_FSDP_PARAMETERS) as record:
         step()
-    grads = record.alive_at(storage_ptrs(p.grad for p in params))
+    grads = record.alive_at(storage_ptrs(p.grad for p in params)) | record.made_within()
     return StepMemory(peak(record.deltas, grads), peak(record.deltas, set()))
 
 
