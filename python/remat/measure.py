@@ -7,11 +7,11 @@ from __future__ import annotations
 import enum
 import math
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import levels
 from .boundary import Outside, Window, output_bytes, remove_closed_windows
@@ -50,7 +50,7 @@ class LossMeasure:
         # where no window measures (an ``Outside`` without loss bytes)
         self.learned: Outside | None = None
         self.loss_bytes = 0  # the loss room measured (at the bound)
-        self.watched: list[weakref.ref] = []  # the outputs of the forward whose backward tells them
+        self.watched: list[StorageWeakRef] = []  # the outputs of the forward whose backward tells them
         # Plans again for the measured loss at the end of the step that measured it (else the
         # next call does)
         self.replan: Callable[[], None] | None = None
@@ -118,15 +118,17 @@ class LossMeasure:
         )
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
-        """The tensors handed to the user by a forward no window measures."""
-        self.watched = [weakref.ref(t) for t in outputs]
+        """The tensors handed to the user by a forward no window measures: their storages, which
+        may outlive the tensors (FSDP2 hands a unit's next reader views of its outputs, and holds
+        them until the unit's backward)."""
+        self.watched = [StorageWeakRef(t.untyped_storage()) for t in outputs]
 
     def learn_outputs(self, grads: tuple) -> None:
         """At a backward whose loss no window measured: the outputs without gradient, and those
         the user let go of (first step only)."""
         if self.learning():
             no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
-            released = frozenset(i for i, ref in enumerate(self.watched) if ref() is None)
+            released = frozenset(i for i, ref in enumerate(self.watched) if ref.expired())
             self.learned, self.watched = Outside(0, 0, no_grad, released), []
             self.state = State.LEARNED
 

@@ -24,8 +24,8 @@ class Allocations:
 
     ``prior``: releases of memory allocated before count (as negative deltas), for a peak above
     what is alive at the start; by default they count 0, for a peak of what the code allocates.
-    ``marks``: prefixes of others' spans (``record_function``) whose allocations
-    :meth:`made_within` finds.
+    ``marks``: prefixes of the names of others' spans (``record_function``) in which
+    :meth:`made_within` and :meth:`released_within` find allocations.
     """
 
     def __init__(self, prior: bool = False, marks: tuple[str, ...] = ()) -> None:
@@ -46,7 +46,7 @@ class Allocations:
     def __exit__(self, *exc: object) -> None:
         self._profiler.__exit__(*exc)
         spans: list[tuple[str, int, int]] = []
-        marked: list[tuple[int, int]] = []
+        marked: list[tuple[str, int, int]] = []
         allocations: list[tuple[int, int, int]] = []  # (time, address, +bytes | -bytes)
         stack = list(self._profiler.kineto_results.experimental_event_tree())
         while stack:
@@ -57,12 +57,12 @@ class Allocations:
             elif event.name.startswith(_LABEL):
                 spans.append((event.name[len(_LABEL) :], event.start_time_ns, event.end_time_ns))
             elif self.marks and event.name.startswith(self.marks):
-                marked.append((event.start_time_ns, event.end_time_ns))
+                marked.append((event.name, event.start_time_ns, event.end_time_ns))
             stack.extend(event.children)
         allocations.sort(key=lambda a: a[0])
         times = [t for t, _, _ in allocations]
         self.spans = {name: (bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in spans}
-        self._marked = [(bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for s, e in marked]
+        self._marked = [(name, bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in marked]
         # (serial, +bytes | -bytes) per event: an allocation's serial is its index, a release takes
         # the serial of the allocation it releases (memory allocated before: its size with ``prior``, else 0)
         self.deltas: list[tuple[int, int]] = []
@@ -78,9 +78,16 @@ class Allocations:
             else:
                 self.deltas.append((serial, nbytes if self.prior else 0))
 
-    def made_within(self) -> set[int]:
-        """Serials of the allocations made inside the spans of ``marks``."""
-        return {i for start, end in self._marked for i in range(start, end) if self.deltas[i][1] > 0}
+    def made_within(self, prefixes: tuple[str, ...]) -> set[int]:
+        """Serials of the allocations made inside the spans named with ``prefixes`` (of ``marks``)."""
+        return {i for i in self._within(prefixes) if self.deltas[i][1] > 0}
+
+    def released_within(self, prefixes: tuple[str, ...]) -> set[int]:
+        """Serials of the allocations released inside the spans named with ``prefixes`` (of ``marks``)."""
+        return {self.deltas[i][0] for i in self._within(prefixes) if self.deltas[i][1] < 0}
+
+    def _within(self, prefixes: tuple[str, ...]) -> Iterable[int]:
+        return (i for name, start, end in self._marked if name.startswith(prefixes) for i in range(start, end))
 
     def alive_at(self, ptrs: set[int]) -> set[int]:
         """Serials of the recorded allocations still alive at the end at the addresses ``ptrs``."""

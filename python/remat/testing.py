@@ -24,9 +24,11 @@ class StepMemory:
     peak_with_grads: int  # every allocation: parameter gradients and FSDP2's gathered parameters included
 
 
-# FSDP2's spans whose allocations are parameters and gradients: the unsharded parameters it
-# gathers (and frees after the unit's forward or backward), and the buffers it reduces gradients in.
-_FSDP_PARAMETERS = ("FSDP::all_gather", "FSDP::post_backward_reduce")
+# FSDP2's spans: allocations made in the first are the unsharded parameters it gathers (freed after
+# a unit's forward or backward) and the buffers it reduces gradients in; those released in the
+# second, the unsharded gradients it reduces.
+_FSDP_MADE = ("FSDP::all_gather", "FSDP::post_backward_reduce")
+_FSDP_RELEASED = ("FSDP::post_backward",)
 
 
 def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemory:
@@ -35,13 +37,14 @@ def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemo
 
     ``keep``: tensors alive before the step (parameters, buffers, inputs, optimizer state); their
     memory is not counted. Parameters' ``.grad`` after the step are what counts as gradients.
-    Under FSDP2 (``fully_shard``) the parameters it gathers and the buffers it reduces gradients
-    in are parameters and gradients: ``peak_with_grads`` counts them.
+    Under FSDP2 (``fully_shard``) the parameters it gathers, the unsharded gradients it reduces
+    and its buffers for reducing them are parameters and gradients: ``peak_with_grads`` counts them.
     """
     params = [t for t in keep if isinstance(t, torch.nn.Parameter)]
-    with Allocations(marks=_FSDP_PARAMETERS) as record:
+    with Allocations(marks=_FSDP_MADE + _FSDP_RELEASED) as record:
         step()
-    grads = record.alive_at(storage_ptrs(p.grad for p in params)) | record.made_within()
+    grads = record.alive_at(storage_ptrs(p.grad for p in params))
+    grads |= record.made_within(_FSDP_MADE) | record.released_within(_FSDP_RELEASED)
     return StepMemory(peak(record.deltas, grads), peak(record.deltas, set()))
 
 

@@ -1,0 +1,95 @@
+"""FSDP2 (``fully_shard`` on each block and on the root; 2 processes on gloo, CPU): the model
+trains through ``torch.compile(model, backend=remat.backend(budget))`` with FSDP2's own sharded
+gradients, with ``reshard_after_forward`` True and False; each rank's measured activation peak
+keeps the byte budget; ``remat.Remat`` refuses the sharded model, naming the backend."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+
+import pytest
+import remat
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_loop import VOCAB, _gpt2
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+
+def _sharded(reshard: bool) -> torch.nn.Module:
+    model = _gpt2(dropout=0.0)
+    for block in model.transformer.h:
+        fsdp.fully_shard(block, reshard_after_forward=reshard)
+    fsdp.fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
+def _loss(runner, tokens: torch.Tensor) -> torch.Tensor:
+    return runner(tokens).logits.float().pow(2).mean()
+
+
+def _step(runner, tokens: torch.Tensor) -> None:
+    _loss(runner, tokens).backward()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        results = {}
+        try:
+            remat.Remat(_sharded(True), torch.randint(VOCAB, (2, 16)), 0.5)
+        except remat.CaptureError as exc:
+            results["refused"] = str(exc)
+        for reshard in (True, False):
+            torch._dynamo.reset()
+            reference, model = _sharded(reshard), _sharded(reshard)
+            plain = torch.compile(reference, backend="aot_eager", dynamic=False)
+            tokens = torch.randint(VOCAB, (4, 32), generator=torch.Generator().manual_seed(rank))
+            keep = [*reference.parameters(), tokens]
+            step = functools.partial(_step, plain, tokens)
+            plain_peak = torch.tensor(max(remat.testing.measure_step(step, keep).peak_bytes for _ in range(2)))
+            dist.all_reduce(plain_peak, dist.ReduceOp.MAX)  # one budget on every rank
+            budget = int(0.8 * plain_peak.item())
+            backend = remat.backend(budget, compile=False, time_limit=5)
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            worst = 0.0
+            for _ in range(3):
+                for m, runner in ((reference, plain), (model, compiled)):
+                    m.zero_grad(set_to_none=True)
+                    _loss(runner, tokens).backward()
+                for p, q in zip(reference.parameters(), model.parameters()):
+                    want, got = p.grad.full_tensor(), q.grad.full_tensor()  # FSDP2's reduced gradients
+                    worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+            model.zero_grad(set_to_none=True)
+            peak = remat.testing.measure_step(functools.partial(_step, compiled, tokens), [*model.parameters(), tokens])
+            results[reshard] = {
+                "budget": budget,
+                "plain": plain_peak.item(),
+                "peak": peak.peak_bytes,
+                "worst": worst,
+                "calls": len(backend._last or []),
+            }
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_sharded_model_trains_through_the_backend_within_the_budget(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "fsdp")
+    mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(f"{out}.{rank}")
+        assert "fully_shard" in results["refused"] and "remat.backend" in results["refused"]
+        for reshard in (True, False):
+            r = results[reshard]
+            assert r["worst"] < 1e-5, (rank, reshard, r)
+            assert r["calls"] >= 3, r  # FSDP2's units run as graphs of their own
+            assert r["peak"] <= r["budget"], (rank, reshard, r)
