@@ -93,3 +93,25 @@ def test_fully_sharded_model_trains_through_the_backend_within_the_budget(tmp_pa
             assert r["worst"] < 1e-5, (rank, reshard, r)
             assert r["calls"] >= 3, r  # FSDP2's units run as graphs of their own
             assert r["peak"] <= r["budget"], (rank, reshard, r)
+
+
+class _AllReduced(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as collectives
+
+        return collectives.all_reduce(self.linear(x), "sum", dist.group.WORLD).relu()
+
+
+def test_a_graph_with_collectives_is_refused_by_name() -> None:
+    """A graph that communicates (here an all-reduce inside the model) raises ``CaptureError``
+    naming the collective, as it does on every rank."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(remat.CaptureError, match="all_reduce.*without collectives"):
+            remat.Remat(_AllReduced(), torch.randn(4, 8), 0.5)
+    finally:
+        dist.destroy_process_group()

@@ -117,6 +117,7 @@ def capture(
         ) from exc
     if flat.out_spec is None:
         raise CaptureError(f"{type(model).__name__} produced no output during capture")
+    _check_no_collectives(gm, type(model).__name__)
 
     if compiled:
         _dropout_from_its_mask(gm)
@@ -132,6 +133,23 @@ def capture(
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
     return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts, sizes)
+
+
+# Namespaces of the ops that communicate with other processes.
+_COLLECTIVES = {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"}
+
+
+def _check_no_collectives(gm: fx.GraphModule, name: str) -> None:
+    """``CaptureError`` for a graph that communicates: a schedule may run an op more than once
+    and at another point, and every rank must run each collective the same times in one order."""
+    found = sorted({str(n.target) for n in gm.graph.nodes if getattr(n.target, "namespace", None) in _COLLECTIVES})
+    if found:
+        raise CaptureError(
+            f"the graph of {name} communicates with other processes ({', '.join(found)}), and remat plans "
+            "graphs without collectives: keep them out of the graph (with FSDP2, leave "
+            "torch._dynamo.config.skip_fsdp_hooks at True, so that its gathers run between remat's graphs; "
+            "wrap DistributedDataParallel around remat.Remat), or use torch.utils.checkpoint"
+        )
 
 
 def _symbolic_inputs(tensors: list[torch.Tensor], dynamic: list[set[int]]) -> tuple[list, Any]:

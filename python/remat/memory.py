@@ -86,6 +86,11 @@ class Allocations:
         """Serials of the allocations released inside the spans named with ``prefixes`` (of ``marks``)."""
         return {self.deltas[i][0] for i in self._within(prefixes) if self.deltas[i][1] < 0}
 
+    def count(self, prefix: str) -> int:
+        """How many spans named ``prefix`` (of ``marks``, a module's name in parentheses after it
+        allowed) ran."""
+        return sum(1 for name, _, _ in self._marked if name == prefix or name.startswith(prefix + " "))
+
     def _within(self, prefixes: tuple[str, ...]) -> Iterable[int]:
         return (i for name, start, end in self._marked if name.startswith(prefixes) for i in range(start, end))
 
