@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import remat
 import torch
+import torch.multiprocessing as mp
 from remat import tree
 from torch import nn
 
@@ -153,3 +155,11 @@ class Reference:
         for (k, a), b in zip(self.model.named_buffers(), self.copy.buffers()):
             torch.testing.assert_close(a, b, msg=lambda m, k=k: f"buffer {k} after one step: {m}")
         return step
+
+
+def spawn_two(worker: Any, *args: Any) -> None:
+    """Runs ``worker(rank, port, *args)`` in 2 processes, ``port`` free for their process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, *args), nprocs=2, join=True)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 
 import pytest
 import remat
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import spawn_two
 from test_loop import VOCAB, _gpt2
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -80,11 +79,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_fully_sharded_model_trains_through_the_backend_within_the_budget(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "fsdp")
-    mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
+    spawn_two(_worker, out)
     for rank in range(2):
         results = torch.load(f"{out}.{rank}")
         assert "fully_shard" in results["refused"] and "remat.backend" in results["refused"]

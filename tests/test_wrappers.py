@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import remat
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import spawn_two
 from models import mlp
 from remat.boundary import NewStorages
 from test_loop import VOCAB, _gpt2, _step
@@ -85,11 +84,8 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
 
 def test_distributed_data_parallel_of_the_wrapper(tmp_path) -> None:
     """Each rank trains on its own batch; the averaged gradients equal plain DDP's."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "ddp")
-    mp.spawn(_ddp_worker, args=(port, out), nprocs=2, join=True)
+    spawn_two(_ddp_worker, out)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for r in ranks:
         want_loss, want_grads = r["want"]
