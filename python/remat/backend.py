@@ -214,9 +214,9 @@ class _SizesFromTensors(nn.Module):
 
 
 class Graph:
-    """One captured graph: plain without grad, otherwise each of its calls in a step run by a
-    ``Remat`` planned for the call's share (of ``sized``, the graph that reads its sizes from its
-    tensors, where it has symbolic sizes)."""
+    """One captured graph: plain without grad or without an input that requires it, otherwise
+    each of its calls in a step run by a ``Remat`` planned for the call's share (of ``sized``,
+    the graph that reads its sizes from its tensors, where it has symbolic sizes)."""
 
     def __init__(self, owner: Backend, gm: fx.GraphModule, sized: _SizesFromTensors | None = None) -> None:
         self.owner = owner
@@ -231,8 +231,8 @@ class Graph:
         return self.remats[0] if self.remats else None
 
     def __call__(self, *args: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.gm(*args)
+        if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self.gm(*args)  # nothing to differentiate: nothing held for a backward
         call = self.owner.call(self)
         inputs = self._inputs(args)
         call.inputs = _activation_bytes(inputs)

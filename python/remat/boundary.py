@@ -163,7 +163,7 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
         if b.kind == "tangent" and b.target in outside.no_grad:
             g.values[g.value_of[ph]].bytes = 0
     if outside.held_bytes:  # counted while the backward runs, like an output's gradient
-        source = captured.placeholders[0]
+        source = next(iter(captured.gm.graph.nodes))
         g.values.append(Value(len(g.values), "held_by_the_loss", "tangent", source, None, outside.held_bytes))
     return g
 
