@@ -1,7 +1,9 @@
 """FSDP2 (``fully_shard`` on each block and on the root; 2 processes on gloo, CPU): the model
 trains through ``torch.compile(model, backend=remat.backend(budget))`` with FSDP2's own sharded
 gradients, with ``reshard_after_forward`` True and False; each rank's measured activation peak
-keeps the byte budget; ``remat.Remat`` refuses the sharded model, naming the backend."""
+keeps the byte budget, and FSDP2 gathers parameters as often as without remat; both ranks run
+the same schedules though their measured times differ;
+``remat.Remat`` refuses the sharded model, naming the backend."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import os
 
 import pytest
 import remat
+import remat.profile
 import torch
 import torch.distributed as dist
 from helpers import spawn_two
+from remat.memory import Allocations
 from test_loop import VOCAB, _gpt2
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -40,6 +44,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         torch.set_num_threads(1)
         results = {}
+        if rank == 1:
+            dist.barrier()  # rank 0 publishes first
+        results["agreed"] = remat.ranks.agreed("test", "a key", lambda: f"made by rank {rank}")
+        if rank == 0:
+            dist.barrier()
+        if rank == 1:  # rank 1 measures other times than rank 0, op by op
+            times, noise = remat.profile._time, torch.Generator().manual_seed(0)
+            remat.profile._time = lambda *a: times(*a) * (0.1 + 10 * torch.rand((), generator=noise).item())
         try:
             remat.Remat(_sharded(True), torch.randint(VOCAB, (2, 16)), 0.5)
         except remat.CaptureError as exc:
@@ -66,12 +78,20 @@ def _worker(rank: int, port: int, out: str) -> None:
                     worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
             model.zero_grad(set_to_none=True)
             peak = remat.testing.measure_step(functools.partial(_step, compiled, tokens), [*model.parameters(), tokens])
+            gathers = []
+            for m, runner in ((reference, plain), (model, compiled)):
+                m.zero_grad(set_to_none=True)
+                with Allocations(marks=("FSDP::all_gather",)) as record:
+                    _step(runner, tokens)
+                gathers.append(record.count("FSDP::all_gather"))
             results[reshard] = {
                 "budget": budget,
                 "plain": plain_peak.item(),
                 "peak": peak.peak_bytes,
                 "worst": worst,
+                "gathers": gathers,
                 "calls": len(backend._last or []),
+                "schedules": [c.remat._plan.schedule.to_json() for c in backend._last or []],
             }
         torch.save(results, f"{out}.{rank}")
     finally:
@@ -81,14 +101,18 @@ def _worker(rank: int, port: int, out: str) -> None:
 def test_fully_sharded_model_trains_through_the_backend_within_the_budget(tmp_path) -> None:
     out = str(tmp_path / "fsdp")
     spawn_two(_worker, out)
-    for rank in range(2):
-        results = torch.load(f"{out}.{rank}")
+    first, second = (torch.load(f"{out}.{rank}") for rank in range(2))
+    for reshard in (True, False):
+        assert first[reshard]["schedules"] == second[reshard]["schedules"], reshard
+    for rank, results in enumerate((first, second)):
+        assert results["agreed"] == "made by rank 0"
         assert "fully_shard" in results["refused"] and "remat.backend" in results["refused"]
         for reshard in (True, False):
             r = results[reshard]
             assert r["worst"] < 1e-5, (rank, reshard, r)
             assert r["calls"] >= 3, r  # FSDP2's units run as graphs of their own
             assert r["peak"] <= r["budget"], (rank, reshard, r)
+            assert r["gathers"][1] == r["gathers"][0] > 0, r  # recomputing gathers no parameter again
 
 
 class _AllReduced(torch.nn.Module):

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import _core
+from . import _core, ranks
 from .schedule import Prediction, Schedule, prediction_of_json
 
 Solver = Literal["rockmate", "rotor", "checkmate", "none"]
@@ -39,11 +39,19 @@ class Planner:
 
     def __init__(self, graph_json: str) -> None:
         self._graph = _core.Graph(graph_json)
+        self._json = graph_json if ranks.sharing() else None
 
     def plan(self, budget: int, options: SolverOptions) -> Schedule:
-        """The schedule within ``budget`` bytes (``InfeasibleBudget`` below the smallest)."""
+        """The schedule within ``budget`` bytes (``InfeasibleBudget`` below the smallest). Where
+        other ranks run, the first schedule any of them solved for the same graph, budget and
+        options (``ranks``: a solve stopped by its time limit may differ from rank to rank)."""
         o = options
-        return Schedule.of_json(self._graph.plan(budget, o.solver, o.time_limit, o.mip_gap, o.slots))
+
+        def solve() -> str:
+            return self._graph.plan(budget, o.solver, o.time_limit, o.mip_gap, o.slots)
+
+        solved = solve() if self._json is None else ranks.agreed("schedule", f"{budget} {o}\n{self._json}", solve)
+        return Schedule.of_json(solved)
 
     def budget_range(self) -> tuple[int, int]:
         """The smallest budget a schedule keeps, and plain PyTorch's peak."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from . import ranks
 from .amp import no_autocast
 from .boundary import Outside, copy_profile
 from .capture import capture, flatten_inputs
@@ -44,7 +46,10 @@ def profiled(
 ) -> None:
     """Measures every node of the captured ``g``. With ``plan``, under the schedule ``plan``
     makes of it from sizes and estimated times (``profile.estimate``), so that measuring holds
-    what that schedule holds; without, in plain PyTorch's order, holding what a plain step holds."""
+    what that schedule holds; without, in plain PyTorch's order, holding what a plain step holds.
+    Where other ranks run, every rank keeps the first measurements published for the graph
+    (``ranks``)."""
+    key = g.to_json() if ranks.sharing() else None
     tensors, _, _ = flatten_inputs(args, kwargs)
     with no_autocast():
         if plan is None:
@@ -61,7 +66,24 @@ def profiled(
                     first.schedule,
                 )
             copy_profile(first.graph, g, tangents=False)
+    if key is not None:
+        _use_measured(g, json.loads(ranks.agreed("profile", key, lambda: json.dumps(_measured(g)))))
     accumulate_in_place(g)
+
+
+def _measured(g: JointGraph) -> dict[str, list]:
+    """What profiling measured of ``g``."""
+    return {
+        "nodes": [[n.time, n.temp_bytes] for n in g.nodes],
+        "values": [[int(v.bytes), v.alias_of] for v in g.values],
+    }
+
+
+def _use_measured(g: JointGraph, measured: dict[str, list]) -> None:
+    for n, (time, temp) in zip(g.nodes, measured["nodes"]):
+        n.time, n.temp_bytes = time, temp
+    for v, (nbytes, alias_of) in zip(g.values, measured["values"]):
+        v.bytes, v.alias_of = nbytes, alias_of
 
 
 class Planned(Protocol):
