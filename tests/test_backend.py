@@ -17,6 +17,7 @@ import pytest
 import remat
 import torch
 from models import cnn
+from remat.boundary import THE_LOSS, After
 from torch import nn
 
 
@@ -94,7 +95,7 @@ def test_graph_breaks_share_a_byte_budget():
     # the first keeps room for what the second needs after it (with its input, the first's
     # output, which the first releases); the second, for the loss
     middle = x.numel() * 4
-    assert first.plan.budget == budget and first._after == second._smallest(None) + middle
+    assert first.plan.budget == budget and first._after == After(second._smallest(THE_LOSS) + middle)
     assert second.plan.budget == budget - first.plan.held_bytes - middle
     assert first.plan.held_bytes + middle + second.plan.schedule.predicted.peak_bytes <= budget
 
@@ -114,7 +115,7 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     first, second = (g.remat for g in backend.graphs)
     # the first at its smallest budget with room for the second at its smallest, with its input
     # (the first's output, which the first releases) and the loss
-    assert first._smallest(second._smallest(None) + x.numel() * 4) == info.value.min_budget
+    assert first._smallest(After(second._smallest(THE_LOSS) + x.numel() * 4)) == info.value.min_budget
     torch._dynamo.reset()
     backend = remat.backend(info.value.min_budget, compile=False, time_limit=5)
     compiled = torch.compile(model, backend=backend, dynamic=False)
@@ -127,6 +128,46 @@ def test_graph_breaks_too_small_a_budget_names_one_that_fits():
     # the plans may be slow at the smallest budget, and keep it
     assert not [w for w in caught if "may exceed the budget" in str(w.message)]
     measured = remat.testing.measure_step(lambda: _step(compiled, x), [*model.parameters(), x]).peak_bytes
+    assert measured <= info.value.min_budget
+
+
+class TiedHead(nn.Module):
+    """A language model whose head is its embedding, with a graph break between them: the
+    head's gradient of the shared weight waits through the first graph's backward to be summed
+    with the embedding's."""
+
+    def __init__(self, vocab: int = 512, width: int = 512) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.a, self.b = Half(width, 2), Half(width, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.a(self.embedding(tokens))
+        torch._dynamo.graph_break()
+        return nn.functional.linear(self.b(x), self.embedding.weight)
+
+
+def test_a_weight_tied_across_graphs_keeps_the_budget_at_the_smallest():
+    """At the smallest budget the step's graphs share, the measured peak keeps it: each call's
+    plan holds the gradients of tied weights that autograd holds through its backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, tokens = TiedHead(), torch.randint(512, (2, 16))
+    backend = remat.backend(2**20, compile=False, time_limit=5)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with pytest.warns(UserWarning, match="may exceed the budget"):
+        _step(compiled, tokens)
+    with pytest.raises(remat.InfeasibleBudget) as info:
+        _step(compiled, tokens)
+    # the head's part waits through both backwards; the embedding's is summed with it after its own
+    weight = model.embedding.weight.nbytes
+    assert [c.tied_grads for c in backend._last or []] == [2 * weight, weight]
+    torch._dynamo.reset()
+    backend = remat.backend(info.value.min_budget, compile=False, time_limit=5)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    _compare(model, compiled, tokens, steps=3)
+    model.zero_grad(set_to_none=True)
+    measured = remat.testing.measure_step(lambda: _step(compiled, tokens), [*model.parameters(), tokens]).peak_bytes
     assert measured <= info.value.min_budget
 
 

@@ -25,12 +25,19 @@ other), or for the loss after the last call of a step. The first step meets the 
 and knows none after the current one: a call that finds less than its smallest budget runs at
 that budget, with a warning naming the bytes, and each call plans again for its share on the
 next step. A fraction is of each graph's own plain peak.
+
+A weight tied across graphs (an embedding whose transpose is the head) gets a gradient part from
+each graph's backward, which autograd holds until it sums them all: each call's plan holds, through
+its backward, the parts made before its own and its own (``After.held``), as the last step's
+order of backward events tells them.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .boundary import After
 from .errors import CaptureError, InfeasibleBudget
 from .module import Remat, Solver, check_budget
 
@@ -73,6 +81,11 @@ class Backend:
         self.graphs: list[Graph] = []  # in the order they were compiled
         self._step: list[_Call] = []  # the calls of the current step, in order
         self._last: list[_Call] | None = None  # those of the step before
+        # The order of the step's backward events: each call's backward run, and each leaf's
+        # gradient complete (its parts from every use summed) by the leaf's id
+        self._clock = itertools.count()
+        self._ready: dict[int, int] = {}
+        self._hooks: dict[int, Any] = {}  # by the leaf's id
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
         try:
@@ -96,16 +109,22 @@ class Backend:
             not any(c.holding for c in self._step) if held else any(c.graph is graph for c in self._step)
         ):
             self._last, self._step = self._step, []
+            _count_tied_grads(self._last, self._ready)
+            for hook in self._hooks.values():
+                hook.remove()
+            self._hooks, self._ready = {}, {}
         call = _Call(graph, sum(c.graph is graph for c in self._step))
         self._step.append(call)
         return call
 
-    def share(self, call: _Call) -> tuple[int | float | None, int | None]:
+    def share(self, call: _Call) -> tuple[int | float | None, After]:
         """The budget of ``call``, and what runs between its forward and its backward: the loss
-        (``None``) where it ended the last step, or before a step has ended; else the bytes the
-        calls after it in the last step need meanwhile (see the module's docstring)."""
+        where it ended the last step, or before a step has ended; else the bytes the calls after
+        it in the last step need meanwhile (see the module's docstring); with the gradients of
+        tied weights held through its backward in the last step."""
         last = self.last_of_step(call)
-        after = None if last is None or last else self.need(self._after(call))
+        room = None if last is None or last else self.need(self._after(call))
+        after = After(room, self._tied_grads(call))
         if not isinstance(self.budget, int):
             return self.budget, after
         before = sum(c.held_bytes for c in self._step[:-1])
@@ -114,12 +133,33 @@ class Backend:
     def need(self, calls: list[_Call]) -> int:
         """The bytes ``calls`` need, one after the other: each its activation inputs and its
         smallest budget with room between its forward and backward for what the calls after it
-        need (the loss after the last of a step)."""
+        need (the loss after the last of a step), and the gradients of tied weights it held
+        through its backward."""
         need = 0
         for c in reversed(calls):
-            remat, after = c.remat, None if self.last_of_step(c) else need
+            remat, after = c.remat, After(None if self.last_of_step(c) else need, c.tied_grads)
             need = c.inputs + (0 if remat is None or remat._plan is None else remat._smallest(after))
         return need
+
+    def leaves(self, inputs: tuple) -> dict[int, int]:
+        """The bytes of the leaves requiring grad among ``inputs`` (parameters), by id, each
+        watched for when its gradient is complete in this step."""
+        leaves = {id(t): t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf}
+        for key, t in leaves.items():
+            if key not in self._hooks:
+                self._hooks[key] = t.register_hook(functools.partial(self._complete, key))
+        return {key: t.nbytes for key, t in leaves.items()}
+
+    def _complete(self, key: int, grad: torch.Tensor) -> None:
+        self._ready[key] = next(self._clock)
+
+    def backward_ran(self, call: _Call) -> None:
+        call.done = next(self._clock)
+
+    def _tied_grads(self, call: _Call) -> int:
+        """``_Call.tied_grads`` of ``call``'s place in the last step (0 where it had none)."""
+        last, at = self._last or [], len(self._step) - 1
+        return last[at].tied_grads if at < len(last) and last[at].same(call) else 0
 
     def _after(self, call: _Call) -> list[_Call]:
         """The calls after ``call`` in the last step, where that step had ``call`` in its place."""
@@ -148,6 +188,14 @@ class _Call:
     saved: int = 0
     holding: bool = False
     held: bool = False  # whether it held activations for a backward
+    # Bytes of its inputs that are leaves requiring grad (parameters), by the tensor's id
+    leaves: dict[int, int] = field(default_factory=dict)
+    done: int | None = None  # when its backward ran, on the backend's clock
+    # Bytes of the gradients of tied weights autograd holds through its backward: those made
+    # by it or by the calls whose backward ran before its own for leaves whose gradient is
+    # complete only later (the head's gradient waits to be summed with the embedding's), and
+    # its own parts of gradients begun before. Known once the step has ended
+    tied_grads: int = 0
 
     def same(self, other: _Call) -> bool:
         return self.graph is other.graph and self.occurrence == other.occurrence
@@ -162,6 +210,28 @@ class _Call:
         """What the call holds until its backward (0 before it is planned)."""
         plan = None if self.remat is None else self.remat._plan
         return 0 if plan is None else plan.held_bytes() + self.saved
+
+
+def _count_tied_grads(step: list[_Call], ready: dict[int, int]) -> None:
+    """Sets each call's ``tied_grads`` from when the backward of each call of ``step`` ran and
+    when each leaf's gradient was complete (``ready``). A leaf's first gradient is made by the
+    first backward among the calls taking it; it waits where another call's backward runs before
+    the leaf's gradient is complete, and is held through every backward until then; each later
+    part is held too until autograd sums it with the first."""
+    done = sorted(c.done for c in step if c.done is not None)
+    first: dict[int, int] = {}  # leaf -> when the first backward taking it ran
+    nbytes: dict[int, int] = {}
+    for c in step:
+        if c.done is not None:
+            for k, n in c.leaves.items():
+                first[k], nbytes[k] = min(first.get(k, c.done), c.done), n
+    waiting = {k: (t, ready[k]) for k, t in first.items() if k in ready and any(t < d < ready[k] for d in done)}
+    for call in step:
+        if call.done is not None:
+            held = sum(nbytes[k] for k, (t, end) in waiting.items() if t <= call.done < end)
+            # its own part of such a gradient is summed with the others', not kept as ``.grad``
+            own = sum(n for k, n in call.leaves.items() if k in waiting and waiting[k][0] < call.done)
+            call.tied_grads = held + own
 
 
 def _sizes_from_tensors(gm: fx.GraphModule, example_inputs: list) -> _SizesFromTensors | None:
@@ -236,6 +306,7 @@ class Graph:
         call = self.owner.call(self)
         inputs = self._inputs(args)
         call.inputs = _activation_bytes(inputs)
+        call.leaves = self.owner.leaves(inputs)
         share, after = self.owner.share(call)
         k = call.occurrence
         if k == len(self.remats) or (share, after) != self._asked[k]:
@@ -258,6 +329,7 @@ class Graph:
 
             def release(*_: Any) -> None:
                 call.holding = False
+                self.owner.backward_ran(call)
 
             node.register_hook(release)
 
@@ -276,7 +348,7 @@ class Graph:
         """The call's inputs as the plan takes them: the tensors alone where sizes are read from them."""
         return args if self.sized is None else tuple(a for a in args if isinstance(a, torch.Tensor))
 
-    def _fit(self, call: _Call, args: tuple, share: int | float | None, after: int | None) -> None:
+    def _fit(self, call: _Call, args: tuple, share: int | float | None, after: After) -> None:
         """Plans ``call`` for ``share`` with ``after`` (``Remat._after``); on the first step, where
         a byte share is too small, at the smallest budget with a warning (later steps know every
         call's needs: they raise)."""

@@ -54,9 +54,24 @@ class Outside:
     """What the step holds outside the graph: the loss room, and the outputs without gradient."""
 
     loss_bytes: int  # peak between the forward and backward phases
-    held_bytes: int = 0  # of those, still held while the backward runs (the loss tensor), gradients aside
+    # held while the backward runs (the loss tensor; ``After.held``), the outputs' gradients aside
+    held_bytes: int = 0
     no_grad: frozenset[int] = frozenset()  # indices of forward outputs that no loss differentiates
     released: frozenset[int] = frozenset()  # indices of forward outputs not held once the backward starts
+
+
+@dataclass(frozen=True)
+class After:
+    """What a step runs between a graph's forward and its backward: the loss where ``room`` is
+    ``None``, else at most ``room`` bytes (``remat.backend``: the graphs after this one); and
+    ``held`` bytes it holds through the graph's backward besides (``remat.backend``: gradients
+    autograd holds for weights tied across graphs)."""
+
+    room: int | None = None
+    held: int = 0
+
+
+THE_LOSS = After()  # a step whose loss follows the graph's forward, as in plain training
 
 
 def loss_room(*outputs: torch.Tensor) -> torch.Tensor:

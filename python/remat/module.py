@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _core, plain
 from .amp import autocast_state
-from .boundary import Outside
+from .boundary import THE_LOSS, After, Outside
 from .capture import flatten_inputs, unflatten_inputs
 from .errors import (
     CaptureError,
@@ -165,7 +165,7 @@ class Remat(nn.Module):
         # What runs between this module's forward and backward: the step's loss (``None``), or,
         # for a graph of a compiled model that other graphs follow, the bytes those use before its
         # backward (``remat.backend``)
-        self._after: int | None = None
+        self._after = THE_LOSS
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._seen: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}  # a call's key -> its plan's, its sizes
         # A plan's key -> its captured and profiled graph (shared with the ``Remat``s of ``_sibling``)
@@ -387,10 +387,10 @@ class Remat(nn.Module):
         gradient or stays held (where the first plan falls back to when nothing else fits)."""
         return None if self._current is None else min_without_loss(self._current.base)
 
-    def _smallest(self, after: int | None) -> int:
+    def _smallest(self, after: After) -> int:
         """The smallest budget where ``after`` runs between the forward and the backward (``_after``:
         the loss, estimated over the outputs the first step differentiated, all before a step has
-        told them; or that many bytes)."""
+        told them; or a number of bytes)."""
         assert self._current is not None
         base, learned = self._current.base, self._current.measure.learned
         outside = estimated_loss(base, learned, after)
@@ -513,7 +513,7 @@ class Remat(nn.Module):
         )
 
 
-def _plan_again(planned: _Planned, budget: int | float | None, options: Options, after: int | None) -> Plan:
+def _plan_again(planned: _Planned, budget: int | float | None, options: Options, after: After) -> Plan:
     """``planned`` for another budget: for its measured loss, or as before a step measured it
     (``after``: ``first_plan``'s)."""
     if planned.measure.measured:

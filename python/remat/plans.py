@@ -21,6 +21,8 @@ from torch import nn
 from . import _core, levels, plain, tree
 from .boundary import (
     LOSS_SCALARS,
+    THE_LOSS,
+    After,
     Outside,
     differentiable_outputs,
     estimated_outside,
@@ -202,14 +204,14 @@ def first_plan(
     options: Options,
     inputs: PlanInputs | None = None,
     learned: Outside | None = None,
-    after: int | None = None,
+    after: After = THE_LOSS,
 ) -> Plan:
     """The plan before a step has measured the loss: room for the estimated loss, or for as much of
     it as the budget allows; where even none fits, the plan assumes no output gets a gradient or
     stays held (the loss is inside the model), which the first step checks. ``learned``: the
     outputs a step gave no gradient and those it released, where no step measures the loss; the
     estimate over the others is then all remat knows of the loss, and a budget without room for it
-    raises ``InfeasibleBudget``; ``after``: bytes in the loss's place (``estimated_loss``). A
+    raises ``InfeasibleBudget``; ``after``: what runs in the loss's place (``estimated_loss``). A
     fraction is of the plain step's peak with the estimated loss. ``inputs``: to fit compiled
     phases with."""
     estimate = estimated_loss(base, learned, after)
@@ -263,15 +265,18 @@ def profiling_plan(base: JointGraph, budget: int | float, options: Options) -> P
     return plan
 
 
-def estimated_loss(base: JointGraph, learned: Outside | None, after: int | None) -> Outside:
+def estimated_loss(base: JointGraph, learned: Outside | None, after: After) -> Outside:
     """The estimated loss room over the outputs but ``learned.no_grad``, with ``learned``'s
-    outputs without gradient and released; where ``after`` is a number of bytes, no loss runs
-    after the forward, and the room is that many bytes (``remat.backend``: those the graphs after
-    this one use before its backward)."""
+    outputs without gradient and released; where ``after.room`` is a number of bytes, no loss
+    runs after the forward, and the room is that many bytes (``remat.backend``: those the graphs
+    after this one use before its backward); ``after.held`` bytes more are held through the
+    backward."""
     no_grad, released = (frozenset(), frozenset()) if learned is None else (learned.no_grad, learned.released)
-    if after is not None:
-        return Outside(after, 0, no_grad, released)
-    return estimated_outside(base, no_grad, released)
+    if after.room is not None:
+        outside = Outside(after.room, 0, no_grad, released)
+    else:
+        outside = estimated_outside(base, no_grad, released)
+    return replace(outside, held_bytes=outside.held_bytes + after.held) if after.held else outside
 
 
 def min_without_loss(base: JointGraph) -> int:
