@@ -1,5 +1,5 @@
-"""FSDP2 on 2 CPU ranks (gloo): GPT-2 with ``fully_shard`` on every block and on the root, trained
-alone, with transformers' gradient checkpointing, compiled by Inductor, and through
+"""FSDP2 on 2 ranks (CPU on gloo, or a GPU each on NCCL): GPT-2 with ``fully_shard`` on every
+block and on the root, trained alone, with transformers' gradient checkpointing, compiled by Inductor, and through
 ``remat.backend`` at byte budgets given as fractions of FSDP2's own measured activation peak.
 
 Prints, per rank and run, the measured activation peak (``remat.testing.measure_step``: FSDP2's
@@ -8,6 +8,8 @@ step time, and FSDP2's all-gathers per step.
 
     .venv/bin/python benches/fsdp.py                         # GPT-2 12L, budgets 0.7 and 0.5
     .venv/bin/python benches/fsdp.py --layers 4 --budgets 0.8
+    python benches/fsdp.py --device cuda --batch 16 --length 512             # on 2 GPUs
+    python benches/fsdp.py --device cuda --batch 16 --length 512 --ranks 1   # on one
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 VOCAB = 2048
 
 
-def _model(layers: int, checkpointing: bool) -> GPT2LMHeadModel:
+def _model(layers: int, checkpointing: bool, device: torch.device) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=VOCAB, use_cache=False)
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config).to(device)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -61,8 +63,10 @@ def _measure(model, runner, tokens: torch.Tensor, steps: int) -> dict:
     times = []
     for _ in range(steps):
         dist.barrier()
+        _synchronize(tokens)
         t0 = time.perf_counter()
         step()
+        _synchronize(tokens)
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     return {
@@ -73,16 +77,26 @@ def _measure(model, runner, tokens: torch.Tensor, steps: int) -> dict:
     }
 
 
+def _synchronize(tokens: torch.Tensor) -> None:
+    if tokens.is_cuda:
+        torch.cuda.synchronize()
+
+
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.ranks)
     torch.set_num_threads(1)
     tokens = torch.randint(VOCAB, (args.batch, args.length), generator=torch.Generator().manual_seed(rank))
+    tokens = tokens.to(device)
     rows = []
 
     def run(name: str, checkpointing: bool = False, backend=None) -> dict:
         torch._dynamo.reset()
-        model = _model(args.layers, checkpointing)
+        model = _model(args.layers, checkpointing, device)
         runner = model if backend is None else torch.compile(model, backend=backend, dynamic=False)
         try:
             row = _measure(model, runner, tokens, args.steps)
@@ -92,7 +106,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
         return row
 
     alone = run("FSDP2")
-    peak = torch.tensor(alone["peak"])
+    peak = torch.tensor(alone["peak"], device=device)
     dist.all_reduce(peak, dist.ReduceOp.MAX)  # one budget on every rank
     run("FSDP2 + gradient_checkpointing_enable", checkpointing=True)
     run("FSDP2 + torch.compile (Inductor)", backend="inductor")
@@ -100,7 +114,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
         budget = int(fraction * peak.item())
         run(f"FSDP2 + remat.backend({budget}) ({fraction:g} of FSDP2's peak)", backend=remat.backend(budget))
     lines = [
-        f"rank {rank}: GPT-2 {args.layers}L (n_embd 128), {args.batch}x{args.length} tokens",
+        f"rank {rank} ({torch.cuda.get_device_name(device) if cuda else 'CPU, 1 thread'}): "
+        f"GPT-2 {args.layers}L (n_embd 128), {args.batch}x{args.length} tokens",
         "| run | activation peak | with parameters and gradients | step | all-gathers per step |",
         "|---|---|---|---|---|",
     ]
@@ -112,7 +127,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
             f"| {name} | {row['peak'] / 2**20:.2f} MiB | {row['with'] / 2**20:.2f} MiB | "
             f"{row['time'] * 1000:.0f} ms | {row['gathers']} |"
         )
-    for r in range(2):
+    for r in range(args.ranks):
         dist.barrier()
         if r == rank:
             print("\n".join(lines), flush=True)
@@ -126,11 +141,16 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.7, 0.5])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    if args.device == "cuda" and gpus < args.ranks:
+        parser.error(f"--device cuda runs a rank per GPU and this machine has {gpus}: pass --ranks {gpus}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, args), nprocs=2, join=True)
+    mp.spawn(_worker, args=(port, args), nprocs=args.ranks, join=True)
 
 
 if __name__ == "__main__":
