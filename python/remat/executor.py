@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch._prims import rng_prims
 
-from .graph import IN_PLACE, JointGraph
+from .graph import IN_PLACE, JointGraph, device_of
 from .inductor import CompiledPhase
 from .layout import in_layout
 from .memory import Allocations
@@ -213,12 +213,3 @@ def _call(graph: fx.Graph, target, args, kwargs, name: str) -> fx.Node:
 
 def _clean(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-
-
-def device_of(node) -> str:
-    val = node.fx_node.meta.get("val")
-    tensors = [val] if isinstance(val, torch.Tensor) else [t for t in val if isinstance(t, torch.Tensor)]
-    device = tensors[0].device
-    if device.type == "cuda":
-        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    return "cpu"

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from .capture import ACCUMULATES, Captured
 from .errors import CaptureError
+from .rng import state_bytes
 from .sizes import Sizes, is_size
 
 SCHEMA_VERSION = 1
@@ -93,7 +94,32 @@ class JointGraph:
                 for n in self.nodes
             ],
             "outputs": [{"value": v, "kind": k} for v, k in self.outputs if k != "released"],
+            "beside": self.beside(),
         }
+
+    def beside(self) -> dict[str, int]:
+        """What the executor holds beside the values where a node runs again (the graph file's
+        ``beside``): the pre-step copies of :meth:`buffers_to_copy`, and the size of one
+        generator state of the random forward nodes' device."""
+        random = next((n for n in self.nodes if n.random and n.phase == "forward"), None)
+        return {
+            "copied_bytes": int(sum(self.values[v].bytes for v in self.buffers_to_copy())),
+            "rng_state_bytes": 0 if random is None else state_bytes(device_of(random)),
+        }
+
+    def buffers_to_copy(self) -> set[int]:
+        """Value ids of the buffers the step updates whose old values a recomputation may read.
+        A batch norm in training mode reads its running statistics only to update them, and the
+        update it makes again is dropped: its buffers need no copy."""
+        c = self.captured
+        mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
+        buffers = {
+            self.value_of[ph]
+            for ph, b in zip(c.placeholders, c.bindings)
+            if b.kind in ("buffer", "input") and b.target in mutated
+        }
+        read_otherwise = {v for n in self.nodes if not _updates_running_stats(n) for v in n.inputs}
+        return buffers & read_otherwise
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -107,6 +133,21 @@ class JointGraph:
             for o, b in zip(c.outputs, c.output_bindings)
             if b.kind == "grad" and b.grad_of == "param" and o is not None
         }
+
+
+def device_of(node: Node) -> str:
+    """The device ``node`` computes on."""
+    val = node.fx_node.meta.get("val")
+    tensors = [val] if isinstance(val, torch.Tensor) else [t for t in val if isinstance(t, torch.Tensor)]
+    device = tensors[0].device
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _updates_running_stats(node: Node) -> bool:
+    fx_node = node.fx_node
+    return fx_node.target is torch.ops.aten._native_batch_norm_legit_functional.default and fx_node.args[5] is True
 
 
 def build_graph(captured: Captured, name: str) -> JointGraph:

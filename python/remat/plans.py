@@ -4,7 +4,6 @@ outside the graph (the loss), solved in Rust, its phases built, and its plans at
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -32,14 +31,13 @@ from .boundary import (
 )
 from .capture import flatten_inputs, unflatten_inputs
 from .errors import InfeasibleBudget, PlanFileError, RematError
-from .executor import Phases, build_phases, device_of, held_bytes
+from .executor import Phases, build_phases, held_bytes
 from .fit import PlanInputs, measured_peak
 from .graph import JointGraph
 from .inductor import compiled_times
 from .memory import profiler_running
 from .planner import Planner, SolverOptions
 from .progress import stage
-from .rng import rng_state_bytes
 from .schedule import Schedule
 from .step import Step, input_grads
 from .trace import graph_inputs
@@ -221,7 +219,7 @@ def first_plan(
         """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
         w = _with(base, outside, made)
         target = _target(budget, w.min_budget, w.plain_peak)
-        return target >= w.plain_peak or w.min_budget + w.most <= target
+        return target >= w.plain_peak or w.min_budget <= target
 
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
         w = _with(base, estimate, made)
@@ -286,21 +284,19 @@ def min_without_loss(base: JointGraph) -> int:
 
 def min_with(base: JointGraph, outside: Outside) -> int:
     """The smallest budget of ``base`` with ``outside``."""
-    w = _with(base, outside)
-    return w.min_budget + w.most
+    return _with(base, outside).min_budget
 
 
 @dataclass(frozen=True)
 class _WithOutside:
-    """``base`` with an ``Outside`` (``boundary.with_outside``), parsed, with its budget range,
-    the buffers a step copies and the most bytes the executor holds beside the graph."""
+    """``base`` with an ``Outside`` (``boundary.with_outside``), parsed, with its budget range
+    and the buffers a step copies."""
 
     g: JointGraph
     planner: Planner
     min_budget: int
     plain_peak: int
     copied: set[int]
-    most: int
 
 
 def _with(base: JointGraph, outside: Outside, made: dict[Outside, _WithOutside] | None = None) -> _WithOutside:
@@ -315,8 +311,7 @@ def _with(base: JointGraph, outside: Outside, made: dict[Outside, _WithOutside] 
 
 def _parsed(g: JointGraph) -> _WithOutside:
     planner = Planner(g.to_json())
-    copied = _buffers_to_copy(g)
-    return _WithOutside(g, planner, *planner.budget_range(), copied, _reserve(g, None, copied))
+    return _WithOutside(g, planner, *planner.budget_range(), g.buffers_to_copy())
 
 
 def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int:
@@ -347,7 +342,7 @@ def make_plan(
         w = _parsed(g)
     else:
         w = _with(base, outside, made)
-    g, planner, min_budget, plain_peak, copied, most = w.g, w.planner, w.min_budget, w.plain_peak, w.copied, w.most
+    g, planner, min_budget, plain_peak, copied = w.g, w.planner, w.min_budget, w.plain_peak, w.copied
     target = _target(budget, min_budget, plain_peak)
     fit = options.compile and inputs is not None and budget is not None
     if fit and profiler_running():
@@ -355,27 +350,24 @@ def make_plan(
         fit = False
     if saved is None and fit:
         assert inputs is not None
-        fitting = (target, plain_peak, copied, most)
-        schedule, held_back, phases, peak = _fitted(g, planner, fitting, options, inputs(g), outside.no_grad)
+        schedule, phases, peak = _fitted(g, planner, (target, plain_peak), options, inputs(g), outside.no_grad)
     else:
         if saved is None:
-            schedule, held_back = _solve(g, planner, target, plain_peak, copied, most, options)
+            schedule = _solve(planner, target, options)
         else:
-            schedule, path = saved
-            held_back = 0 if target >= plain_peak else _reserve(g, schedule, copied)
-            schedule = _replayed(planner, schedule, path)
+            schedule = _replayed(planner, *saved)
         phases = None  # eager phases are built when the plan first runs
         if options.compile:
             with stage("build"):
                 phases = build_phases(g, schedule, compiled=True)
         if fit:
             assert inputs is not None
-            peak = _compiled_peak(g, planner, schedule, phases, inputs(g), outside.no_grad) + held_back
+            peak = _compiled_peak(g, planner, schedule, phases, inputs(g), outside.no_grad)
         else:
-            peak = schedule.predicted.peak_bytes + held_back
+            peak = schedule.predicted.step_peak_bytes
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
-    limits = (target, plain_peak, min_budget + most, held_back)
+    limits = (target, plain_peak, min_budget, schedule.predicted.beside_bytes)
     return Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
 
 
@@ -484,23 +476,19 @@ def plan_levels(g: JointGraph, top: Plan, options: Options, saved: tuple[tuple, 
 def _level_plan(top: Plan, level: Level, options: Options, saved: tuple[Schedule, Path] | None = None) -> Plan | None:
     """``level``'s plan within ``top``'s budget (``None`` where none keeps it), solved or the
     schedule of a plan file (``saved``: the schedule and the file), replayed."""
-    g = top.graph
-    most = _reserve(g, None, top.copied)
     min_budget, plain_peak = level.planner.budget_range()
     if saved is None:
         try:
-            schedule, held_back = _solve(g, level.planner, top.budget, plain_peak, top.copied, most, options)
+            schedule = _solve(level.planner, top.budget, options)
         except InfeasibleBudget:
             return None
     else:
-        schedule, path = saved
-        schedule = _replayed(level.planner, schedule, path)
-        held_back = 0 if top.budget >= plain_peak else _reserve(g, schedule, top.copied)
-    peak = schedule.predicted.peak_bytes + held_back
+        schedule = _replayed(level.planner, *saved)
+    peak = schedule.predicted.step_peak_bytes
     if saved is not None and peak > top.budget:
         raise PlanFileError(f"a schedule in {saved[1]} peaks at {peak} bytes, over {top.budget}; delete it")
-    limits = (top.budget, plain_peak, min_budget + most, held_back)
-    return Plan(g, level.planner, schedule, None, *limits, top.outside, top.copied, peak)
+    limits = (top.budget, plain_peak, min_budget, schedule.predicted.beside_bytes)
+    return Plan(top.graph, level.planner, schedule, None, *limits, top.outside, top.copied, peak)
 
 
 def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tuple[int, ...]]:
@@ -606,25 +594,25 @@ MAX_COMPILED_RUNS = 4
 def _fitted(
     g: JointGraph,
     planner: Planner,
-    fitting: tuple[int, int, set[int], int],
+    fitting: tuple[int, int],
     options: Options,
     tensors: dict[int, torch.Tensor],
     no_grad: frozenset[int],
-) -> tuple[dict[str, Any], int, Phases, int]:
-    """A compiled plan whose step peak keeps ``target``, with the bytes held back, its phases and
-    that peak as measured (``fit``). The solver plans for the eager ops, which Inductor fuses and
+) -> tuple[Schedule, Phases, int]:
+    """A compiled plan whose step peak keeps ``target``, with its phases and that peak as
+    measured (``fit``). The solver plans for the eager ops, which Inductor fuses and
     reorders, so it is asked again for the budget moved by what the measurement differs from the
     prediction by, where the plan goes over or leaves over ``FIT_SLACK`` unused; of the plans that
     keep the budget, the fastest predicted runs. Where none keeps it, the first schedule runs
     eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
-    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target,
-    plain PyTorch's peak, the copied buffers and the most bytes held back (``make_plan``)."""
-    target, plain_peak, copied, most = fitting
+    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target and
+    plain PyTorch's peak (``make_plan``)."""
+    target, plain_peak = fitting
     asked, first, best = target, None, None
     tried: set[tuple] = set()  # the schedules measured, by their ops
     for _ in range(FIT_ROUNDS):
         try:
-            schedule, held_back = _solve(g, planner, asked, plain_peak, copied, most, options)
+            schedule = _solve(planner, asked, options)
         except InfeasibleBudget:
             if first is None:
                 raise
@@ -633,7 +621,7 @@ def _fitted(
         if ops in tried:
             break
         tried.add(ops)
-        first = first or (schedule, held_back)
+        first = first or schedule
         runs = schedule.runs().total() / max(len(g.nodes), 1)
         if runs > MAX_COMPILED_RUNS:
             if best is not None:
@@ -644,15 +632,15 @@ def _fitted(
                 "gives a plan that compiles",
                 stacklevel=2,
             )
-            return _eager(g, schedule, held_back)
+            return _eager(g, schedule)
         phases = build_phases(g, schedule, compiled=True)
-        peak = _compiled_peak(g, planner, schedule, phases, tensors, no_grad) + held_back
+        peak = _compiled_peak(g, planner, schedule, phases, tensors, no_grad)
         if peak <= target:
             if best is None or schedule.predicted.time < best[0].predicted.time:
-                best = (schedule, held_back, phases, peak)
+                best = (schedule, phases, peak)
             if target - peak <= FIT_SLACK * target or asked >= plain_peak:
                 break
-        asked = min(target + schedule.predicted.peak_bytes + held_back - peak, plain_peak)
+        asked = min(target + schedule.predicted.step_peak_bytes - peak, plain_peak)
     if best is not None:
         return best
     assert first is not None
@@ -661,13 +649,12 @@ def _fitted(
         "(Inductor's code holds more than the planned order); this plan runs eagerly",
         stacklevel=2,
     )
-    return _eager(g, *first)
+    return _eager(g, first)
 
 
-def _eager(g: JointGraph, schedule: Schedule, held_back: int) -> tuple[Schedule, int, Phases, int]:
+def _eager(g: JointGraph, schedule: Schedule) -> tuple[Schedule, Phases, int]:
     """``schedule``'s plan with eager phases, at its predicted peak (as ``_fitted`` returns it)."""
-    phases = build_phases(g, schedule, compiled=False)
-    return schedule, held_back, phases, schedule.predicted.peak_bytes + held_back
+    return schedule, build_phases(g, schedule, compiled=False), schedule.predicted.step_peak_bytes
 
 
 def _compiled_peak(
@@ -678,58 +665,19 @@ def _compiled_peak(
     tensors: dict[int, torch.Tensor],
     no_grad: frozenset[int],
 ) -> int:
-    """The step peak of ``schedule``'s compiled ``phases``, measured (logged beside the prediction)."""
+    """The step peak of ``schedule``'s compiled ``phases``, measured (logged beside the
+    prediction), with what the executor holds beside the values."""
     t0 = time.perf_counter()
-    measured = measured_peak(g, planner, schedule, phases, tensors, no_grad)
-    predicted = schedule.predicted.peak_bytes
+    measured = measured_peak(g, planner, schedule, phases, tensors, no_grad) + schedule.predicted.beside_bytes
+    predicted = schedule.predicted.step_peak_bytes
     log.info(
         "compiled and measured a plan in %.2f s: %d bytes (predicted %d)", time.perf_counter() - t0, measured, predicted
     )
     return measured
 
 
-def _solve(
-    g: JointGraph, planner: Planner, target: int, plain_peak: int, copied: set[int], most: int, options: Options
-) -> tuple[Schedule, int]:
-    """The solver's schedule within ``target`` bytes, and the bytes held back for its RNG
-    replays and buffer copies. Plain PyTorch needs neither; otherwise room is held back for every
-    random node and copied buffer (``most``) whatever the schedule replays: a room that depended
-    on a first schedule's replays would give a lower budget more room where that schedule
-    replayed fewer."""
-    held_back = 0 if target >= plain_peak else most
+def _solve(planner: Planner, target: int, options: Options) -> Schedule:
+    """The solver's schedule within ``target`` bytes, what the executor holds beside the values
+    included (``Prediction.beside_bytes``)."""
     with stage(f"solve ({options.solver}, budget {target} bytes)"):
-        try:
-            schedule = planner.plan(max(target - held_back, 0), options)
-        except InfeasibleBudget as exc:
-            raise InfeasibleBudget(target, exc.min_budget + most) from None
-    return schedule, _reserve(g, schedule, copied) if held_back else 0
-
-
-def _reserve(g: JointGraph, schedule: Schedule | None, copied: set[int]) -> int:
-    """Bytes the executor may hold beyond the graph's values: RNG states of the random nodes
-    ``schedule`` runs more than once (of every random node without a schedule) and the state a
-    replay holds meanwhile, and the pre-step copies of the buffers in ``copied``."""
-    runs = collections.Counter() if schedule is None else schedule.runs()
-    replayed = [n for n in g.nodes if n.random and n.phase == "forward" and (schedule is None or runs[n.id] > 1)]
-    rng = rng_state_bytes(device_of(replayed[0]), len(replayed)) if replayed else 0
-    return rng + sum(g.values[v].bytes for v in copied)
-
-
-def _buffers_to_copy(g: JointGraph) -> set[int]:
-    """Value ids of the buffers the step updates whose old values a recomputation may need.
-    A batch norm in training mode reads its running statistics only to update them, and the
-    update it makes again is dropped: its buffers need no copy."""
-    c = g.captured
-    mutated = {b.target for b in c.output_bindings if b.kind == "mutation"}
-    buffers = {
-        g.value_of[ph]
-        for ph, b in zip(c.placeholders, c.bindings)
-        if b.kind in ("buffer", "input") and b.target in mutated
-    }
-    read_otherwise = {v for n in g.nodes if not _updates_running_stats(n) for v in n.inputs}
-    return buffers & read_otherwise
-
-
-def _updates_running_stats(node) -> bool:
-    fx_node = node.fx_node
-    return fx_node.target is torch.ops.aten._native_batch_norm_legit_functional.default and fx_node.args[5] is True
+        return planner.plan(target, options)

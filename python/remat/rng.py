@@ -13,10 +13,15 @@ def save_rng_state(device: str) -> torch.Tensor:
     return torch.get_rng_state()
 
 
+def state_bytes(device: str) -> int:
+    """Bytes of one generator state of ``device``."""
+    return save_rng_state(device).numel()
+
+
 def rng_state_bytes(device: str, saved: int) -> int:
     """Bytes of ``saved`` generator states, and of the one :func:`run_with_rng_state` holds
     while it replays."""
-    return save_rng_state(device).numel() * (saved + 1) if saved else 0
+    return state_bytes(device) * (saved + 1) if saved else 0
 
 
 def run_with_rng_state(state: torch.Tensor, device: str, op, *args, **kwargs):

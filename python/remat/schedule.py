@@ -36,6 +36,12 @@ class Prediction:
     backward_start_bytes: int  # alive when the backward phase starts (the outputs' gradients in)
     time: float  # the step: every op, recomputations included
     recomputed_time: float  # the recomputations alone
+    beside_bytes: int = 0  # held beside the values (RNG states, buffer copies): the step peaks at peak_bytes + these
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The step's peak: the values' and what the executor holds beside them."""
+        return self.peak_bytes + self.beside_bytes
 
 
 @dataclass(frozen=True)

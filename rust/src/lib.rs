@@ -43,7 +43,7 @@ pub use chain::{
 };
 pub use error::{Error, Result};
 pub use graph::{
-    Graph, Node, Output, OutputKind, Phase, Value, ValueKind, FORMAT_VERSION, GRAPH_SCHEMA,
+    Beside, Graph, Node, Output, OutputKind, Phase, Value, ValueKind, FORMAT_VERSION, GRAPH_SCHEMA,
 };
 pub use schedule::simulate::{memory_curve, simulate, Point};
 pub use schedule::{Op, Report, Schedule, SolverInfo, SolverStatus, SCHEDULE_SCHEMA};

@@ -5,7 +5,7 @@ mod common;
 
 use common::budget_at;
 use remat::min_memory;
-use remat::{budget_range, plan, Graph, PlanOptions, Solver, SolverStatus};
+use remat::{budget_range, plan, Beside, Error, Graph, PlanOptions, Solver, SolverStatus};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -176,6 +176,39 @@ fn plans_within_budget(name: &str, time_limit: f64) {
             "{name} at {budget}: {solver:?}"
         );
     }
+}
+
+/// What the executor holds beside the values (generator states, buffer copies) is planned for:
+/// the smallest budget holds the most of it, a schedule that recomputes keeps the budget with
+/// what it holds, and plain PyTorch's order holds none.
+#[test]
+fn bytes_held_beside_the_values_are_planned_for() {
+    let bare = load("gpt2_2l");
+    let beside = Beside {
+        copied_bytes: 4096,
+        rng_state_bytes: 5056,
+    };
+    let graph = bare.clone().with_beside(beside);
+    let most = graph.beside_bytes(None);
+    assert!(most >= 4096 + 3 * 5056, "dropout replayed: {most}");
+    let (bare_min, plain) = budget_range(&bare).unwrap();
+    let (min, plain_too) = budget_range(&graph).unwrap();
+    assert_eq!((min, plain_too), ((bare_min + most).min(plain), plain));
+    let options = PlanOptions::default();
+    for budget in [min, (min + plain) / 2] {
+        let report = plan(&graph, budget, &options).unwrap().predicted.unwrap();
+        assert!(report.recomputed_time > 0.0 && report.beside_bytes >= 4096);
+        assert!(report.peak_bytes + report.beside_bytes <= budget);
+    }
+    let plain_report = plan(&graph, plain, &options).unwrap().predicted.unwrap();
+    assert_eq!(plain_report.beside_bytes, 0);
+    match plan(&graph, min - 1, &options) {
+        Err(Error::Infeasible { budget, min_budget }) => {
+            assert_eq!((budget, min_budget), (min - 1, min))
+        }
+        other => panic!("expected the smallest budget, got {other:?}"),
+    }
+    assert_eq!(Graph::from_json(&graph.to_json()).unwrap().beside(), beside);
 }
 
 #[test]

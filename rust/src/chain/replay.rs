@@ -25,6 +25,7 @@ impl Chain {
             backward_start_bytes: held + replay.backward_start,
             time: replay.time,
             recomputed_time: replay.recomputed_time,
+            beside_bytes: 0,
         })
     }
 }

@@ -92,6 +92,25 @@ pub struct Output {
     pub kind: OutputKind,
 }
 
+/// What the executor holds beside the graph's values while a schedule runs a node more than
+/// once (`docs/formats.md`, "Memory model"); plain PyTorch's order holds none of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Beside {
+    /// The pre-step copies of the buffers a recomputation may read.
+    #[serde(default)]
+    pub copied_bytes: u64,
+    /// One generator state: one is saved per random forward node run again, and one more is
+    /// held while one replays.
+    #[serde(default)]
+    pub rng_state_bytes: u64,
+}
+
+impl Beside {
+    fn is_none(&self) -> bool {
+        *self == Beside::default()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct GraphFile {
     #[serde(default)]
@@ -99,6 +118,8 @@ struct GraphFile {
     values: Vec<Value>,
     nodes: Vec<Node>,
     outputs: Vec<Output>,
+    #[serde(default, skip_serializing_if = "Beside::is_none")]
+    beside: Beside,
 }
 
 impl crate::file::Format for GraphFile {
@@ -145,7 +166,14 @@ impl Graph {
             values,
             nodes,
             outputs,
+            beside: Beside::default(),
         })
+    }
+
+    /// The graph with `beside` held beside its values where a node runs again.
+    pub fn with_beside(mut self, beside: Beside) -> Graph {
+        self.file.beside = beside;
+        self
     }
 
     fn from_file(file: GraphFile) -> Result<Graph> {
@@ -177,6 +205,29 @@ impl Graph {
 
     pub fn outputs(&self) -> &[Output] {
         &self.file.outputs
+    }
+
+    /// What the executor holds beside the values where a node runs again.
+    pub fn beside(&self) -> Beside {
+        self.file.beside
+    }
+
+    /// Bytes held beside the values by a schedule that runs each node `runs[node]` times: none
+    /// where no node runs twice; else the buffer copies, and a generator state per random
+    /// forward node run twice with one more while one replays. `None`: the most any schedule
+    /// that runs a node twice holds (every random forward node replayed).
+    pub fn beside_bytes(&self, runs: Option<&[u32]>) -> u64 {
+        if runs.is_some_and(|runs| runs.iter().all(|&r| r <= 1)) {
+            return 0;
+        }
+        let replayed = self
+            .nodes()
+            .iter()
+            .filter(|n| n.random && n.phase == Phase::Forward)
+            .filter(|n| runs.is_none_or(|runs| runs[n.id] > 1))
+            .count() as u64;
+        let states = if replayed == 0 { 0 } else { replayed + 1 };
+        self.file.beside.copied_bytes + self.file.beside.rng_state_bytes * states
     }
 
     pub fn value(&self, id: usize) -> &Value {

@@ -108,6 +108,10 @@ pub struct Report {
     pub time: f64,
     /// Time of the runs beyond the first of each node (seconds).
     pub recomputed_time: f64,
+    /// Bytes the executor holds beside the values ([`crate::Graph::beside_bytes`]); the step's
+    /// peak is `peak_bytes` plus these.
+    #[serde(default)]
+    pub beside_bytes: u64,
 }
 
 /// A schedule found near the budget runs instead of the grid's best only where it is faster by

@@ -240,6 +240,7 @@ impl<'g, 'c> State<'g, 'c> {
             backward_start_bytes,
             time,
             recomputed_time,
+            beside_bytes: self.graph.beside_bytes(Some(&self.runs)),
         }
     }
 }

@@ -137,45 +137,67 @@ impl PlanOptions {
 /// The schedule to run within `budget` bytes of activation memory: the fastest the grid of limits
 /// finds, or one found near the budget where that is clearly faster ([`chosen`]).
 ///
-/// Plain PyTorch's schedule when it fits; [`Error::Infeasible`] below the keep-nothing
-/// schedule's peak; otherwise one of the chosen solver's schedules, or the best keep-set
-/// heuristic schedule (status `fallback`).
+/// Plain PyTorch's schedule when it fits; [`Error::Infeasible`] below the smallest budget
+/// ([`budget_range`]); otherwise one of the chosen solver's schedules, or the best keep-set
+/// heuristic schedule (status `fallback`). A schedule that recomputes is planned within the
+/// budget less the most the executor holds beside the values ([`Graph::beside_bytes`]).
 pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedule> {
     options.check()?;
     let start = Instant::now();
+    let sg = simplify(graph);
+    let store = simulated(graph, &sg, &baseline::store_all(&sg))?;
     let info = |status| SolverInfo {
         name: options.solver.name().into(),
         status,
         seconds: start.elapsed().as_secs_f64(),
         budget,
     };
-    let sg = simplify(graph);
-    let store = simulated(graph, &sg, &baseline::store_all(&sg))?;
     if peak(&store) <= budget {
         return Ok(with_info(store, info(SolverStatus::Optimal)));
     }
+    let most = graph.beside_bytes(None);
+    let (schedule, status) = recomputing(graph, &sg, &store, budget.saturating_sub(most), options)
+        .map_err(|e| match e {
+            Error::Infeasible { min_budget, .. } => Error::Infeasible {
+                budget,
+                min_budget: (min_budget + most).min(peak(&store)),
+            },
+            e => e,
+        })?;
+    Ok(with_info(schedule, info(status)))
+}
+
+/// The fastest schedule below plain PyTorch's peak (`store`) whose values keep `budget`, with
+/// the status of the search that found it.
+fn recomputing(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    store: &Schedule,
+    budget: u64,
+    options: &PlanOptions,
+) -> Result<(Schedule, SolverStatus)> {
     // The hierarchy's plan (per-block ILPs, then the DP) does not need the heuristic: it runs on
     // a second thread meanwhile. `None`: no hierarchy (Checkmate's path, which does).
     let hierarchy_options = options.hierarchy();
     let (fallback, hierarchical) = std::thread::scope(|scope| {
         let hierarchical = scope.spawn(|| {
-            let Some(hierarchy) = hierarchy_of(graph, &sg, options, &hierarchy_options)? else {
+            let Some(hierarchy) = hierarchy_of(graph, sg, options, &hierarchy_options)? else {
                 return Ok(None);
             };
             // Both partitions' schedules, each with its hierarchy's status, chosen among at once.
-            let joined = rockmate::candidates(graph, &sg, &hierarchy, budget, &hierarchy_options)?;
+            let joined = rockmate::candidates(graph, sg, &hierarchy, budget, &hierarchy_options)?;
             let mut found = Found::default();
             found.add(joined, hierarchy.status);
-            let fine = rockmate::finer_partition(&sg, &hierarchy_options, &hierarchy.partition);
+            let fine = rockmate::finer_partition(sg, &hierarchy_options, &hierarchy.partition);
             if let Some(fine) = fine {
                 let fine =
-                    Hierarchy::reusing(graph, &sg, fine, &hierarchy_options, Some(&hierarchy))?;
-                let more = rockmate::candidates(graph, &sg, &fine, budget, &hierarchy_options)?;
+                    Hierarchy::reusing(graph, sg, fine, &hierarchy_options, Some(&hierarchy))?;
+                let more = rockmate::candidates(graph, sg, &fine, budget, &hierarchy_options)?;
                 found.add(more, fine.status);
             }
             Ok(Some(found))
         });
-        let fallback = heuristic(graph, &sg, budget, &store);
+        let fallback = heuristic(graph, sg, budget, store);
         let hierarchical: Result<_> = hierarchical
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -191,16 +213,14 @@ pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedul
         Some(found) => found,
         None => Found {
             grid: Vec::new(),
-            near: checkmate(graph, &sg, budget, options, recompute, &heuristic_plan)?
+            near: checkmate(graph, sg, budget, options, recompute, &heuristic_plan)?
                 .into_iter()
                 .collect(),
         },
     };
     found.near.push((heuristic, SolverStatus::Fallback));
     let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
-    let (schedule, status) =
-        chosen(found.grid, found.near, report).expect("the heuristic's schedule fits");
-    Ok(with_info(schedule, info(status)))
+    Ok(chosen(found.grid, found.near, report).expect("the heuristic's schedule fits"))
 }
 
 /// The schedules the solvers found within the budget, each with the status of its search.
@@ -337,11 +357,13 @@ fn fastest_keep_set(
 }
 
 /// `(min_budget, plain_peak)`: the smallest budget [`plan`] accepts and plain PyTorch's peak.
+/// The smallest is the keep-nothing schedule's peak with the most held beside the values
+/// ([`Graph::beside_bytes`]), or plain PyTorch's peak where that is lower.
 pub fn budget_range(graph: &Graph) -> Result<(u64, u64)> {
     let sg = simplify(graph);
     let store = peak(&simulated(graph, &sg, &baseline::store_all(&sg))?);
     let lowest = peak(&simulated(graph, &sg, &baseline::min_memory(&sg))?);
-    Ok((lowest.min(store), store))
+    Ok(((lowest + graph.beside_bytes(None)).min(store), store))
 }
 
 /// Plain PyTorch's schedule (each node once, each value freed after its last use), simulated.
