@@ -640,7 +640,7 @@ def _fitted(
                 best = (schedule, phases, peak)
             if target - peak <= FIT_SLACK * target or asked >= plain_peak:
                 break
-        asked = min(target + schedule.predicted.step_peak_bytes - peak, plain_peak)
+        asked = max(min(target + schedule.predicted.step_peak_bytes - peak, plain_peak), 0)
     if best is not None:
         return best
     assert first is not None
