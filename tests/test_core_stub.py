@@ -115,13 +115,13 @@ def test_a_graph_replays_its_own_plans() -> None:
     graph = _core.Graph((GRAPHS / "gpt2_2l.json").read_text())
     min_budget, plain_peak = graph.budget_range()
     assert 0 < min_budget < plain_peak
-    schedule = graph.plan((min_budget + plain_peak) // 2)
+    schedule = graph.plan((min_budget + plain_peak) // 2, remat.planner.DEFAULTS)
     report = json.loads(graph.simulate(schedule))
     assert report == json.loads(schedule)["predicted"] and report["peak_bytes"] <= (min_budget + plain_peak) // 2
     assert max(p["peak"] for p in json.loads(graph.memory_curve(schedule))) == report["peak_bytes"]
     assert max(p["peak"] for p in json.loads(graph.memory_curve())) == plain_peak
     with pytest.raises(remat.InfeasibleBudget) as raised:
-        graph.plan(min_budget - 1)
+        graph.plan(min_budget - 1, remat.planner.DEFAULTS)
     assert raised.value.min_budget == min_budget
     assert _core.Graph(graph.to_json()).to_json() == graph.to_json()
 

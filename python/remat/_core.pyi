@@ -1,7 +1,7 @@
 """Native planning core (Rust, built by maturin). Graphs and schedules are JSON strings in the
 formats of docs/formats.md; a ``Graph`` keeps a graph parsed for repeated calls."""
 
-from typing import Literal
+from remat.planner import SolverOptions
 
 __version__: str
 
@@ -20,25 +20,14 @@ class Graph:
     def __init__(self, graph_json: str) -> None:
         """Parses ``graph_json``. Raises remat.GraphError on a malformed graph."""
 
-    def plan(
-        self,
-        budget: int,
-        solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
-        time_limit: float = 30.0,
-        mip_gap: float = 0.01,
-        slots: int = 500,
-    ) -> str:
-        """Schedule JSON of least time whose simulated peak is at most ``budget`` bytes, by
-        ``solver`` (``slots``: the memory grid of the DP over blocks). Raises
-        remat.InfeasibleBudget below the smallest feasible budget."""
+    def plan(self, budget: int, options: SolverOptions) -> str:
+        """Schedule JSON of least time whose simulated peak, with what the executor holds beside
+        the values, is at most ``budget`` bytes, by ``options.solver`` (the settings are read
+        from ``options``' attributes). Raises
+        remat.InfeasibleBudget below the smallest feasible budget, remat.ArgumentError on a bad
+        setting."""
 
-    def stages(
-        self,
-        solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
-        time_limit: float = 30.0,
-        mip_gap: float = 0.01,
-        slots: int = 500,
-    ) -> str:
+    def stages(self, options: SolverOptions) -> str:
         """The planner's stages as JSON (``remat.graphs``): ``groups`` of the simplified graph
         (member and allocating node ids, phase, time, temp_bytes, input and output storages),
         ``storages`` (owner value, bytes, producing group), ``blocks`` (forward and backward
@@ -47,7 +36,8 @@ class Graph:
 
     def simulate(self, schedule_json: str) -> str:
         """Replays a schedule: JSON report with peak_bytes, forward_peak_bytes,
-        backward_peak_bytes, forward_end_bytes, backward_start_bytes, time and recomputed_time.
+        backward_peak_bytes, forward_end_bytes, backward_start_bytes, time, recomputed_time and
+        beside_bytes.
         Raises remat.ScheduleError if the schedule is invalid."""
 
     def memory_curve(self, schedule_json: str | None = None) -> str:
@@ -56,7 +46,8 @@ class Graph:
         (with its temporaries) and, for a compute op, run (1 for the first run of its node)."""
 
     def budget_range(self) -> tuple[int, int]:
-        """(smallest feasible budget, plain PyTorch's peak) in bytes."""
+        """(smallest feasible budget, what the executor holds beside the values included; plain
+        PyTorch's peak) in bytes."""
 
     def plain_peak(self) -> int:
         """Plain PyTorch's peak in bytes (``budget_range``'s second, which is cheaper alone)."""
@@ -64,7 +55,7 @@ class Graph:
     def to_json(self) -> str:
         """The graph file text."""
 
-def chain_plan(chain_json: str, mem_limit: int, slots: int = 500) -> str:
+def chain_plan(chain_json: str, mem_limit: int, slots: int) -> str:
     """rotor's DP over a chain of blocks (a ``remat.chain`` file, docs/checkpointable.md): the
     ``remat.chain_sequence`` JSON of least time whose replayed peak is at most ``mem_limit`` bytes,
     with rotor's notation and the predicted time and memory.
@@ -73,16 +64,15 @@ def chain_plan(chain_json: str, mem_limit: int, slots: int = 500) -> str:
     on a malformed chain. Releases the GIL while solving.
     """
 
-def chain_limits(chain_json: str, slots: int = 500) -> tuple[int, int]:
+def chain_limits(chain_json: str, slots: int) -> tuple[int, int]:
     """(smallest feasible limit with ``slots`` slots, plain PyTorch's peak) in bytes."""
 
-def check_options(
-    solver: Literal["rockmate", "rotor", "checkmate"] = "rockmate",
-    time_limit: float = 30.0,
-    mip_gap: float = 0.01,
-    slots: int = 500,
-) -> None:
+def check_options(options: SolverOptions) -> None:
     """Raises remat.ArgumentError, saying what is allowed, where a setting of ``plan`` is bad."""
+
+def default_options() -> dict[str, str | float | int]:
+    """The solver's settings where a caller gives none (``solver``, ``time_limit``, ``mip_gap``,
+    ``slots``): the one place they are written."""
 
 def register_errors(
     graph: type[Exception],

@@ -48,15 +48,16 @@ from torch.utils import _pytree as pytree
 from .boundary import After
 from .errors import CaptureError, InfeasibleBudget
 from .module import Remat, Solver, check_budget
+from .planner import DEFAULTS
 
 
 def backend(
     budget: int | float | None = None,
     *,
-    solver: Solver = "rockmate",
-    time_limit: float = 30.0,
-    mip_gap: float = 0.01,
-    slots: int = 500,
+    solver: Solver = DEFAULTS.solver,
+    time_limit: float = DEFAULTS.time_limit,
+    mip_gap: float = DEFAULTS.mip_gap,
+    slots: int = DEFAULTS.slots,
     compile: bool = True,
     plan_dir: str | None = None,
 ) -> Backend:

@@ -22,6 +22,7 @@ from torch import nn
 from . import _core
 from .chain import Block, MeasuredChain, backward_from, device_name, flatten, measure_chain
 from .errors import InfeasibleBudget, InfeasibleMemLimit, InputMismatch, RematError
+from .planner import DEFAULTS
 from .rng import run_with_rng_state, save_rng_state
 
 
@@ -119,7 +120,7 @@ class Checkpointable(nn.Module):
         sample: torch.Tensor | None = None,
         mem_limit: int | None = None,
         *,
-        slots: int = 500,
+        slots: int = DEFAULTS.slots,
     ) -> None:
         super().__init__()
         self.layers = flatten(module)

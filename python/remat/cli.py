@@ -23,7 +23,7 @@ from typing import Any
 
 from . import _core
 from .errors import RematError
-from .planner import Planner, SolverOptions
+from .planner import DEFAULTS, Planner, SolverOptions
 from .plot import plot, predicted_curve
 from .progress import planning, stage
 from .schedule import Schedule
@@ -43,10 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("source", help="a graph file (.json) or a model factory (module:function, file.py:function)")
-    common.add_argument("--solver", default="rockmate", choices=["rockmate", "rotor", "checkmate"])
-    common.add_argument("--time-limit", type=float, default=30.0, help="seconds an ILP may run")
-    common.add_argument("--mip-gap", type=float, default=0.01)
-    common.add_argument("--slots", type=int, default=500, help="memory slots of the DP over blocks")
+    common.add_argument("--solver", default=DEFAULTS.solver, choices=["rockmate", "rotor", "checkmate"])
+    common.add_argument("--time-limit", type=float, default=DEFAULTS.time_limit, help="seconds an ILP may run")
+    common.add_argument("--mip-gap", type=float, default=DEFAULTS.mip_gap)
+    common.add_argument("--slots", type=int, default=DEFAULTS.slots, help="memory slots of the DP over blocks")
     plan = commands.add_parser("plan", parents=[common], help="plan under a budget and print the summary")
     plan.add_argument("--budget", type=parse_budget, required=True, help="bytes (2GiB, 512MiB) or a fraction")
     plan.add_argument("--schedule", type=Path, help="write the schedule (JSON) here")

@@ -33,7 +33,7 @@ from .fit import PlanInputs
 from .graph import JointGraph
 from .measure import LossMeasure, State
 from .memory import Allocations, storage_ptrs
-from .planner import Solver
+from .planner import DEFAULTS, Solver
 from .plans import (
     Options,
     Plan,
@@ -132,10 +132,10 @@ class Remat(nn.Module):
         sample: Any,
         budget: int | float | None = None,
         *,
-        solver: Solver = "rockmate",
-        time_limit: float = 30.0,
-        mip_gap: float = 0.01,
-        slots: int = 500,
+        solver: Solver = DEFAULTS.solver,
+        time_limit: float = DEFAULTS.time_limit,
+        mip_gap: float = DEFAULTS.mip_gap,
+        slots: int = DEFAULTS.slots,
         compile: bool = False,
         max_plans: int = 8,
         plan_dir: str | os.PathLike | None = None,
@@ -541,10 +541,10 @@ def graphs(
     model: nn.Module,
     sample: Any,
     *,
-    solver: Solver = "rockmate",
-    time_limit: float = 30.0,
-    mip_gap: float = 0.01,
-    slots: int = 500,
+    solver: Solver = DEFAULTS.solver,
+    time_limit: float = DEFAULTS.time_limit,
+    mip_gap: float = DEFAULTS.mip_gap,
+    slots: int = DEFAULTS.slots,
 ) -> Graphs:
     """Every stage remat plans from for ``model`` and ``sample``, captured and profiled as
     ``remat.Remat`` does, with plain PyTorch's schedule (pass a budget to ``Remat`` and read

@@ -13,6 +13,9 @@ from .schedule import Prediction, Schedule, prediction_of_json
 Solver = Literal["rockmate", "rotor", "checkmate", "none"]
 
 
+_DEFAULTS = _core.default_options()
+
+
 @dataclass(frozen=True)
 class SolverOptions:
     """The solver's settings, checked when made (``ArgumentError`` saying what is allowed).
@@ -22,16 +25,19 @@ class SolverOptions:
     ILP over the whole graph) or ``"none"`` (plain PyTorch, for comparison); time_limit: seconds
     an ILP may run (the best schedule found by then is used); mip_gap: the relative optimality
     gap at which an ILP stops; slots: memory slots of the DP over blocks (more is finer and
-    slower)."""
+    slower). The defaults are the Rust planner's, and the object goes to it whole."""
 
-    solver: Solver = "rockmate"
-    time_limit: float = 30.0
-    mip_gap: float = 0.01
-    slots: int = 500
+    solver: Solver = _DEFAULTS["solver"]
+    time_limit: float = _DEFAULTS["time_limit"]
+    mip_gap: float = _DEFAULTS["mip_gap"]
+    slots: int = _DEFAULTS["slots"]
 
     def __post_init__(self) -> None:
         if self.solver != "none":
-            _core.check_options(self.solver, self.time_limit, self.mip_gap, self.slots)
+            _core.check_options(self)
+
+
+DEFAULTS = SolverOptions()  # the public calls' defaults: the Rust planner's own
 
 
 class Planner:
@@ -45,12 +51,12 @@ class Planner:
         """The schedule within ``budget`` bytes (``InfeasibleBudget`` below the smallest). Where
         other ranks run, the first schedule any of them solved for the same graph, budget and
         options (``ranks``: a solve stopped by its time limit may differ from rank to rank)."""
-        o = options
 
         def solve() -> str:
-            return self._graph.plan(budget, o.solver, o.time_limit, o.mip_gap, o.slots)
+            return self._graph.plan(budget, options)
 
-        solved = solve() if self._json is None else ranks.agreed("schedule", f"{budget} {o}\n{self._json}", solve)
+        key = f"{budget} {options}\n{self._json}"
+        solved = solve() if self._json is None else ranks.agreed("schedule", key, solve)
         return Schedule.of_json(solved)
 
     def budget_range(self) -> tuple[int, int]:
@@ -71,8 +77,7 @@ class Planner:
 
     def stages(self, options: SolverOptions) -> dict[str, Any]:
         """The simplified graph, its blocks and their classes with their options."""
-        o = options
-        return json.loads(self._graph.stages(o.solver, o.time_limit, o.mip_gap, o.slots))
+        return json.loads(self._graph.stages(options))
 
     def to_json(self) -> str:
         return self._graph.to_json()

@@ -5,11 +5,7 @@ use crate::{Budget, Chain, Error, Graph, PlanOptions, Schedule, Solver};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyType;
-
-// The signatures write `slots`' default as the literal 500: PyO3 shows a literal default in
-// `__text_signature__` (which `inspect.signature` and the stub test read) but a path as `...`.
-const _: () = assert!(crate::DEFAULT_SLOTS == 500);
+use pyo3::types::{PyDict, PyType};
 
 /// `Graph(graph_json)`: a parsed and validated graph kept in Rust, so that plans, stages and
 /// simulations reuse it.
@@ -26,35 +22,18 @@ impl PyGraph {
         Ok(PyGraph { graph })
     }
 
-    /// `plan(budget, solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
-    /// schedule JSON.
-    #[pyo3(signature = (budget, solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
-    fn plan(
-        &self,
-        py: Python<'_>,
-        budget: u64,
-        solver: &str,
-        time_limit: f64,
-        mip_gap: f64,
-        slots: usize,
-    ) -> PyResult<String> {
-        let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
+    /// `plan(budget, options) -> str`: the schedule JSON (`options`: the solver's settings, read
+    /// from their attributes).
+    fn plan(&self, py: Python<'_>, budget: u64, options: OptionsArg) -> PyResult<String> {
+        let options = options.checked(py)?;
         py.detach(|| crate::plan(&self.graph, budget, &options).map(|s| s.to_json()))
             .map_err(|e| to_py_err(py, e))
     }
 
-    /// `stages(solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500) -> str`: the
-    /// simplified graph, the blocks and their classes with their options, as JSON.
-    #[pyo3(signature = (solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
-    fn stages(
-        &self,
-        py: Python<'_>,
-        solver: &str,
-        time_limit: f64,
-        mip_gap: f64,
-        slots: usize,
-    ) -> PyResult<String> {
-        let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
+    /// `stages(options) -> str`: the simplified graph, the blocks and their classes with their
+    /// options, as JSON.
+    fn stages(&self, py: Python<'_>, options: OptionsArg) -> PyResult<String> {
+        let options = options.checked(py)?;
         py.detach(|| {
             let stages = crate::stages(&self.graph, &options)?;
             Ok(serde_json::to_string(&stages).expect("stages always serialize"))
@@ -144,9 +123,9 @@ fn py_parse_budget(py: Python<'_>, text: &str) -> PyResult<Py<PyAny>> {
     }
 }
 
-/// `chain_plan(chain_json, mem_limit, slots=500) -> str`: rotor's DP; the chain sequence JSON.
+/// `chain_plan(chain_json, mem_limit, slots) -> str`: rotor's DP; the chain sequence JSON.
 #[pyfunction]
-#[pyo3(name = "chain_plan", signature = (chain_json, mem_limit, slots = 500))]
+#[pyo3(name = "chain_plan")]
 fn py_chain_plan(
     py: Python<'_>,
     chain_json: String,
@@ -160,44 +139,63 @@ fn py_chain_plan(
     .map_err(|e| to_py_err(py, e))
 }
 
-/// `chain_limits(chain_json, slots=500) -> (min_limit, plain_peak)`.
+/// `chain_limits(chain_json, slots) -> (min_limit, plain_peak)`.
 #[pyfunction]
-#[pyo3(name = "chain_limits", signature = (chain_json, slots = 500))]
+#[pyo3(name = "chain_limits")]
 fn py_chain_limits(py: Python<'_>, chain_json: String, slots: usize) -> PyResult<(u64, u64)> {
     py.detach(|| crate::chain_limits(&Chain::from_json(&chain_json)?, slots))
         .map_err(|e| to_py_err(py, e))
 }
 
-/// `check_options(solver="rockmate", time_limit=30.0, mip_gap=0.01, slots=500)`: raises
-/// `remat.ArgumentError` saying what is allowed where a setting is bad.
+/// `check_options(options)`: raises `remat.ArgumentError` saying what is allowed where a setting
+/// is bad.
 #[pyfunction]
-#[pyo3(name = "check_options", signature = (solver = "rockmate", time_limit = 30.0, mip_gap = 0.01, slots = 500))]
-fn py_check_options(
-    py: Python<'_>,
-    solver: &str,
-    time_limit: f64,
-    mip_gap: f64,
-    slots: usize,
-) -> PyResult<()> {
-    let options = plan_options(py, solver, time_limit, mip_gap, slots)?;
-    options.check().map_err(|e| to_py_err(py, e))
+#[pyo3(name = "check_options")]
+fn py_check_options(py: Python<'_>, options: OptionsArg) -> PyResult<()> {
+    options.checked(py).map(|_| ())
 }
 
-/// The solver settings of `plan` and `stages` (which check them: [`PlanOptions::check`]).
-fn plan_options(
-    py: Python<'_>,
-    solver: &str,
+/// `default_options() -> dict`: the solver's settings where a caller gives none, the one place
+/// they are written ([`PlanOptions::default`]).
+#[pyfunction]
+#[pyo3(name = "default_options")]
+fn py_default_options(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PlanOptions::default();
+    let out = PyDict::new(py);
+    out.set_item("solver", d.solver.name())?;
+    out.set_item("time_limit", d.time_limit)?;
+    out.set_item("mip_gap", d.mip_gap)?;
+    out.set_item("slots", d.slots)?;
+    Ok(out)
+}
+
+/// The solver's settings as one object (`remat.planner.SolverOptions`), read from its
+/// attributes.
+#[derive(FromPyObject)]
+struct OptionsArg {
+    #[pyo3(attribute)]
+    solver: String,
+    #[pyo3(attribute)]
     time_limit: f64,
+    #[pyo3(attribute)]
     mip_gap: f64,
+    #[pyo3(attribute)]
     slots: usize,
-) -> PyResult<PlanOptions> {
-    let solver = Solver::from_name(solver).map_err(|e| to_py_err(py, e))?;
-    Ok(PlanOptions {
-        solver,
-        time_limit,
-        mip_gap,
-        slots,
-    })
+}
+
+impl OptionsArg {
+    /// The settings, checked ([`PlanOptions::check`]).
+    fn checked(self, py: Python<'_>) -> PyResult<PlanOptions> {
+        let solver = Solver::from_name(&self.solver).map_err(|e| to_py_err(py, e))?;
+        let options = PlanOptions {
+            solver,
+            time_limit: self.time_limit,
+            mip_gap: self.mip_gap,
+            slots: self.slots,
+        };
+        options.check().map_err(|e| to_py_err(py, e))?;
+        Ok(options)
+    }
 }
 
 /// remat's exception classes, one per [`Error`] variant, registered once by `remat.errors`.
@@ -263,6 +261,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_chain_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_chain_limits, m)?)?;
     m.add_function(wrap_pyfunction!(py_check_options, m)?)?;
+    m.add_function(wrap_pyfunction!(py_default_options, m)?)?;
     m.add_function(wrap_pyfunction!(py_register_errors, m)?)?;
     m.add_class::<PyGraph>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
