@@ -434,10 +434,19 @@ def plan_levels(g: JointGraph, top: Plan, options: Options, saved: tuple[tuple, 
     plan file and the file, replayed at their values."""
     sizes = g.sizes
     assert sizes is not None
+    made: dict[tuple[int, ...], tuple[Planner, int]] = {}
 
     def at(values: tuple[int, ...]) -> tuple[Planner, int]:
-        planner = Planner(levels.scaled_json(g, values, levels.loss_ratio(g, values)))
-        return planner, planner.plain_peak()
+        if values not in made:
+            planner = planner_at(g, values)
+            made[values] = planner, planner.plain_peak()
+        return made[values]
+
+    def raised(values: tuple[int, ...], i: int, high: int) -> tuple[int, ...]:
+        """``values`` with symbol ``i`` raised to the largest value below ``high`` where the
+        plain step fits the budget."""
+        fits = largest_fitting(values[i], high, lambda v: at(_with_value(values, i, v))[1] <= top.budget)
+        return values if fits is None else _with_value(values, i, fits)
 
     out = []
     for i, chain in enumerate(levels.chains(sizes)):
@@ -445,15 +454,8 @@ def plan_levels(g: JointGraph, top: Plan, options: Options, saved: tuple[tuple, 
         for values in chain:
             planner, plain_peak = at(values)
             if plain_peak <= top.budget:  # the largest value where the plain step fits serves all below
-                low, high = values[i], above[i]
-                while high - low > 1:
-                    mid = (low + high) // 2
-                    mid_values = tuple(mid if j == i else v for j, v in enumerate(values))
-                    found = at(mid_values)
-                    if found[1] <= top.budget:
-                        low, (planner, plain_peak), values = mid, found, mid_values
-                    else:
-                        high = mid
+                values = raised(values, i, above[i])
+                planner, plain_peak = at(values)
             out.append(Level(values, i, planner, plain_peak))
             if plain_peak <= top.budget:
                 break
@@ -471,6 +473,29 @@ def plan_levels(g: JointGraph, top: Plan, options: Options, saved: tuple[tuple, 
         if level.plain_peak <= top.budget and not level.solved:
             level.plan, level.solved = _level_plan(top, level, options), True
     return found
+
+
+def planner_at(g: JointGraph, values: tuple[int, ...]) -> Planner:
+    """The planner of ``g`` at ``values`` of its symbols (``levels.scaled_json``)."""
+    return Planner(levels.scaled_json(g, values, levels.loss_ratio(g, values)))
+
+
+def largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest value strictly between ``low`` and ``high`` where ``fits`` holds, bisected
+    (it holds up to some value and not above: predicted peaks rise with a size); ``None`` where
+    it holds at none."""
+    found = None
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = found = mid
+        else:
+            high = mid
+    return found
+
+
+def _with_value(values: tuple[int, ...], i: int, value: int) -> tuple[int, ...]:
+    return values[:i] + (value,) + values[i + 1 :]
 
 
 def _level_plan(top: Plan, level: Level, options: Options, saved: tuple[Schedule, Path] | None = None) -> Plan | None:
@@ -514,7 +539,7 @@ def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tupl
 
     def predict(values: tuple[int, ...]) -> int:
         if values not in predicted:
-            predicted[values] = Planner(levels.scaled_json(g, values, levels.loss_ratio(g, values))).plain_peak()
+            predicted[values] = planner_at(g, values).plain_peak()
         return predicted[values]
 
     def measure(values: tuple[int, ...]) -> float | None:
@@ -529,14 +554,7 @@ def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tupl
         return (peak + max(at, held)) / max(1, predict(values))
 
     def guess(values: tuple[int, ...], i: int, low: int, high: int, ratio: float) -> int | None:
-        found = None
-        while high - low > 1:  # bisected over predictions, which rise with the symbol
-            mid = (low + high) // 2
-            if predict(values[:i] + (mid,) + values[i + 1 :]) * ratio <= plan.budget:
-                low = found = mid
-            else:
-                high = mid
-        return found
+        return largest_fitting(low, high, lambda v: predict(_with_value(values, i, v)) * ratio <= plan.budget)
 
     lowest = tuple(max(2, math.ceil(b * levels.SMALLEST)) for b in bound)
     fitting = plain.fitting_sizes(points, measure, guess, lowest)
