@@ -162,9 +162,9 @@ class Remat(nn.Module):
         self.dynamic = True if dynamic is None else dynamic
         self.plan_dir = plan_dir
         self.measure_loss = measure_loss
-        # What runs between this module's forward and backward: the step's loss (``None``), or,
-        # for a graph of a compiled model that other graphs follow, the bytes those use before its
-        # backward (``remat.backend``)
+        # What runs between this module's forward and backward: the step's loss, or, for a graph
+        # of a compiled model that other graphs follow, the bytes those use before its backward;
+        # and what the step holds through its backward besides (``remat.backend``)
         self._after = THE_LOSS
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._seen: dict[tuple, tuple[tuple, tuple[int, ...]]] = {}  # a call's key -> its plan's, its sizes
