@@ -96,7 +96,7 @@ def main() -> None:
             continue
         planning = time.perf_counter() - t0
         peak, allocated, seconds = measure(rm, model, sample, args.steps, outside)
-        predicted = rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve
+        predicted = rm.plan.schedule.predicted.step_peak_bytes
         rows.append((f"remat, {label} ({budget / mib:.0f} MiB)", peak, allocated, predicted, seconds, planning))
         print(*rows[-1], flush=True)
 

@@ -54,7 +54,7 @@ def test_zoo_keeps_the_budget_with_the_loss_outside(name: str, monkeypatch: pyte
             first = ref.check(rm)
         later = ref.check(rm)
         # What the executor keeps beside the graph's values (RNG states) is counted too.
-        predicted = rm.plan.schedule.predicted.peak_bytes + rm.plan.reserve
+        predicted = rm.plan.schedule.predicted.step_peak_bytes
         rows.append((level, budget, predicted, first.peak, later.peak, len(caught), rm.plan.outside))
 
     print(f"\n{name}: plain measured {ref.plain.peak} B, feasible {low}..{high} B, loss room {probe.plan.outside}")

@@ -168,7 +168,7 @@ def _factory(source: str) -> Any:
 
 def _summary(p: _Planned) -> str:
     pred, solver = p.schedule.predicted, p.schedule.solver
-    peak = pred.peak_bytes + p.reserve
+    peak = pred.step_peak_bytes
     return "\n".join(
         [
             f"budget: {p.budget} bytes ({(p.budget or 0) / 2**20:.2f} MiB)",
