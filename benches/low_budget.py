@@ -1,0 +1,217 @@
+"""remat at the memory of the checkpointing each library offers, and at its own smallest budget.
+
+Per model: plain PyTorch, the library's checkpointing (transformers' ``gradient_checkpointing_enable``,
+timm's ``set_grad_checkpointing``, ``torch.utils.checkpoint.checkpoint_sequential`` or ``checkpoint``
+on each layer), remat at checkpointing's measured peak and remat at its smallest budget. Each row
+gives the measured activation peak (``remat.testing.measure_step``, the loss outside the model
+included), remat's predicted peak and recomputation, and the step time as a ratio to plain
+PyTorch's, medians of steps alternated with plain's in one process (eager executor, random
+weights).
+
+    .venv/bin/python benches/low_budget.py                        # every model
+    .venv/bin/python benches/low_budget.py --models gpt2_6l --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import remat
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+
+@dataclass
+class Case:
+    """A model, its sample call, the loss outside it, and how to switch its checkpointing on."""
+
+    model: nn.Module
+    args: tuple
+    loss: Callable[[Any], torch.Tensor]
+    checkpointed: Callable[[], Callable[..., Any]]  # the runner with the library's checkpointing
+    how: str
+
+
+def _gpt2(layers: int) -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=256, n_head=8, vocab_size=8192, use_cache=False)
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(8192, (4, 256))
+    return _hf(model, ids, "gradient_checkpointing_enable, every layer")
+
+
+def _llama() -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8, vocab_size=8192
+    )
+    model = LlamaForCausalLM(config).train()
+    return _hf(model, torch.randint(8192, (4, 256)), "gradient_checkpointing_enable, every layer")
+
+
+def _hf(model: nn.Module, ids: torch.Tensor, how: str) -> Case:
+    def checkpointed() -> Callable[..., Any]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    return Case(model, (ids,), lambda out: out.logits.float().pow(2).mean(), checkpointed, how)
+
+
+def _convnext() -> Case:
+    import timm
+
+    model = timm.create_model("convnext_atto", num_classes=10).train()
+
+    def checkpointed() -> Callable[..., Any]:
+        model.set_grad_checkpointing(True)
+        return model
+
+    x = torch.randn(8, 3, 128, 128)
+    return Case(model, (x,), lambda out: out.pow(2).mean(), checkpointed, "set_grad_checkpointing")
+
+
+def _resnet() -> Case:
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10).train()
+    layers = nn.Sequential(
+        nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool),
+        model.layer1,
+        model.layer2,
+        model.layer3,
+        model.layer4,
+        nn.Sequential(model.avgpool, nn.Flatten(), model.fc),
+    )
+
+    def checkpointed() -> Callable[..., Any]:
+        return lambda x: checkpoint_sequential(layers, 3, x, use_reentrant=False)
+
+    x = torch.randn(8, 3, 128, 128)
+    return Case(model, (x,), lambda out: out.pow(2).mean(), checkpointed, "checkpoint_sequential, 3 segments")
+
+
+def _encoder() -> Case:
+    layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).train()
+
+    def checkpointed() -> Callable[..., Any]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for block in model.layers:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+        return run
+
+    x = torch.randn(8, 128, 64)
+    return Case(model, (x,), lambda out: out.pow(2).mean(), checkpointed, "checkpoint on each layer")
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "gpt2_6l": lambda: _gpt2(6),
+    "gpt2_12l": lambda: _gpt2(12),
+    "llama": _llama,
+    "convnext": _convnext,
+    "resnet": _resnet,
+    "encoder": _encoder,
+}
+
+
+def _step(runner: Callable[..., Any], case: Case) -> Callable[[], None]:
+    def step() -> None:
+        case.loss(runner(*case.args)).backward()
+        case.model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _peak(step: Callable[[], None], case: Case) -> int:
+    step()  # remat measures the loss and plans again on its first step
+    return remat.testing.measure_step(step, [*case.model.parameters(), *case.model.buffers(), *case.args]).peak_bytes
+
+
+def _ratio(step: Callable[[], None], plain: Callable[[], None], steps: int) -> float:
+    """Median step time over plain PyTorch's, steps alternated."""
+    ours, theirs = [], []
+    for _ in range(steps):
+        for run, times in ((step, ours), (plain, theirs)):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(ours) / statistics.median(theirs)
+
+
+def _within(case: Case, budget: int) -> tuple[remat.Remat | None, Callable[[], None] | None, int | None, int]:
+    """remat within ``budget``, its step and measured peak, and its smallest budget; ``None``s
+    where the budget is below that."""
+    try:
+        rm = remat.Remat(case.model, case.args, budget)
+        step = _step(rm, case)
+        return rm, step, _peak(step, case), rm.plan.min_budget
+    except remat.InfeasibleBudget as exc:
+        return None, None, None, exc.min_budget
+
+
+def _row(label: str, rm, step, measured: int | None, floor: int, plain, steps: int) -> tuple:
+    if rm is None:
+        return (f"{label}: below its smallest budget, {floor / 2**20:.2f} MiB", None, None, None, None)
+    p = rm.plan.schedule.predicted
+    recomputing = p.recomputed_time / max(p.time - p.recomputed_time, 1e-12)
+    label = f"{label} ({rm.plan.budget / 2**20:.2f} MiB)"
+    return (label, measured, p.step_peak_bytes, recomputing, _ratio(step, plain, steps))
+
+
+def run(name: str, steps: int) -> list[str]:
+    torch.manual_seed(0)
+    case = MODELS[name]()
+    plain = _step(case.model, case)
+    rows = [("plain PyTorch", _peak(plain, case), None, None, 1.0)]
+    checkpointed = _step(case.checkpointed(), case)
+    peak = _peak(checkpointed, case)
+    rows.append((case.how, peak, None, None, _ratio(checkpointed, plain, steps)))
+    if hasattr(case.model, "gradient_checkpointing_disable"):
+        case.model.gradient_checkpointing_disable()
+    if hasattr(case.model, "set_grad_checkpointing"):
+        case.model.set_grad_checkpointing(False)
+    rm, step, measured, floor = _within(case, peak)
+    rows.append(_row("remat at checkpointing's peak", rm, step, measured, floor, plain, steps))
+    for _ in range(3):  # the smallest budget may rise once the first step has measured the loss
+        rm, step, measured, smallest = _within(case, floor)
+        if rm is not None:
+            break
+        floor = smallest
+    rows.append(_row("remat at its smallest budget", rm, step, measured, floor, plain, steps))
+    mib = 2**20
+    header = "| run | measured peak | predicted peak | predicted recomputing | step / plain |"
+    lines = [name, header, "|---|---|---|---|---|"]
+    for label, measured, predicted, recomputing, ratio in rows:
+        cells = [
+            label,
+            "" if measured is None else f"{measured / mib:.2f} MiB",
+            "" if predicted is None else f"{predicted / mib:.2f} MiB",
+            "" if recomputing is None else f"+{recomputing:.0%}",
+            "" if ratio is None else f"{ratio:.2f}x",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    for name in args.models:
+        print("\n".join(run(name, args.steps)), flush=True)
+    print(f"CPU, {torch.get_num_threads()} threads")
+
+
+if __name__ == "__main__":
+    main()
