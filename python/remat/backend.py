@@ -159,15 +159,18 @@ class Backend:
 
     def _tied_grads(self, call: _Call) -> int:
         """``_Call.tied_grads`` of ``call``'s place in the last step (0 where it had none)."""
-        last, at = self._last or [], len(self._step) - 1
-        return last[at].tied_grads if at < len(last) and last[at].same(call) else 0
+        at = self._place_in_last(call)
+        return 0 if at is None else (self._last or [])[at].tied_grads
 
     def _after(self, call: _Call) -> list[_Call]:
         """The calls after ``call`` in the last step, where that step had ``call`` in its place."""
+        at = self._place_in_last(call)
+        return [] if at is None else (self._last or [])[at + 1 :]
+
+    def _place_in_last(self, call: _Call) -> int | None:
+        """``call``'s place in the current step, where the last step had it there."""
         last, at = self._last or [], len(self._step) - 1
-        if at < len(last) and last[at].same(call):
-            return last[at + 1 :]
-        return []
+        return at if at < len(last) and last[at].same(call) else None
 
     def last_of_step(self, call: _Call) -> bool | None:
         """Whether ``call`` ended the last step (its loss follows it); ``None`` before a step ended."""

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -321,24 +321,18 @@ class Remat(nn.Module):
     def _plan_file(self, base: JointGraph) -> _PlanFile | None:
         if self.plan_dir is None:
             return None
-        o = self._options
-        fp = fingerprint(base, self._budget_arg, (o.solver, o.time_limit, o.mip_gap, o.slots, o.compile))
+        fp = fingerprint(base, self._budget_arg, astuple(self._options))
         return _PlanFile(path_of(self.plan_dir, fp), fp)
 
     def _sibling(self, budget: int | float | None) -> Remat:
         """A ``Remat`` of the same model and settings for ``budget``, which plans from this one's
         captured and profiled graphs, capturing and profiling none again (``remat.backend``: a
         graph that a step calls several times, one per call, each planned for its share)."""
-        o = self._options
         rm = Remat(
             self.model,
             None,
             budget,
-            solver=o.solver,
-            time_limit=o.time_limit,
-            mip_gap=o.mip_gap,
-            slots=o.slots,
-            compile=o.compile,
+            **asdict(self._options),
             max_plans=self.max_plans,
             dynamic=self.dynamic,
             plan_dir=self.plan_dir,
