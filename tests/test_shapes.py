@@ -87,7 +87,7 @@ def test_one_plan_serves_every_length_within_the_bound(inside: bool, caplog: pyt
 def test_short_calls_run_plans_for_their_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below the bound a call runs a plan made for a smaller size, which recomputes less; where
     plain PyTorch's step is measured to fit the budget, the model itself runs (at its speed),
-    within the budget."""
+    within the budget. Both are made when the first call below the bound comes."""
     model = _gpt2()
     plain = [_peak(model, model, _tokens(n), False) for n in (BOUND, 16)]
     budget = int(0.5 * plain[0])
@@ -95,15 +95,16 @@ def test_short_calls_run_plans_for_their_size(monkeypatch: pytest.MonkeyPatch) -
     rm = remat.Remat(model, _call(_tokens(BOUND), False), budget)
     _step(model, rm, _tokens(BOUND), False)  # measures the loss and plans for it
     top = rm._plan
-    assert top is not None and top.levels and top.fitting
-    short = top.at((4, 16))
-    assert short is not top and short.schedule.predicted.recomputed_time == 0
-    assert top.schedule.predicted.recomputed_time > 0
+    assert top is not None and top.levels is None and top.fitting is None  # a loop at the bound makes neither
     runs = []
     real = remat.plans.Plan.run
     monkeypatch.setattr(remat.plans.Plan, "run", lambda plan, *a, **k: runs.append(plan) or real(plan, *a, **k))
-    _same_step(model, rm, model, _tokens(16), exact=True)
+    _same_step(model, rm, model, _tokens(16), exact=True)  # the first call below the bound makes them
     assert runs == [] and _peak(model, rm, _tokens(16), False) <= budget
+    assert rm._plan is top and top.levels and top.fitting
+    short = top.at((4, 16))
+    assert short is not top and short.schedule.predicted.recomputed_time == 0
+    assert top.schedule.predicted.recomputed_time > 0
     _same_step(model, rm, model, _tokens(BOUND))
     assert runs and runs[-1].schedule.predicted.recomputed_time > 0
 

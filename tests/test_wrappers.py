@@ -72,8 +72,8 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
             loss, grads = _step(model, rm, tokens)
             results.append((loss, grads))
         short = tokens[:, :8]  # where plain PyTorch's step fits, the model runs itself
-        runs_itself = remat.plain.runs_model(rm.module._plan.fitting, (4, 8))
         want_short, got_short = _step(model, plain, short), _step(model, rm, short)
+        runs_itself = remat.plain.runs_model(rm.module._plan.fitting, (4, 8))
         torch.save(
             {"want": (want_loss, want_grads), "got": results, "short": (want_short, got_short, runs_itself)},
             f"{out}.{rank}",

@@ -455,10 +455,10 @@ class Remat(nn.Module):
         elif planned.provisional and not planned.measure.wanted() and not planned.measure.learning():
             # no step measured the loss: the compiled plan keeps room for its estimate
             planned.adopt(first_plan(planned.base, self._budget_arg, self._options, planned.inputs), self._options)
-        plan = planned.plan
-        if plan.fitting and not self._marking and plain.runs_model(plan.fitting, values):
+        plan = planned.serving(values, self._options, itself=not self._marking)
+        if plan is None:
             return self.model(*args, **kwargs)  # its own step is measured to fit the budget at these sizes
-        return plan.at(values, planned.save).run(self.model, args, kwargs, values, marked=self._marking)
+        return plan.run(self.model, args, kwargs, values, marked=self._marking)
 
     def _plan_for_outputs(self, planned: _Planned) -> None:
         """Plan again, once, for the loss estimated over the outputs the first step differentiated,
@@ -487,7 +487,7 @@ class Remat(nn.Module):
         same_outputs = (measured.no_grad, measured.released) == (current.outside.no_grad, current.outside.released)
         if same_outputs and max(loss_over, held_over) <= current.slack() and not planned.provisional:
             if min(loss_over, held_over) >= -0.01 * current.budget:
-                planned.add_levels(self._options)
+                planned.complete(self._options)
                 return
         t0 = time.perf_counter()
         try:
@@ -577,21 +577,37 @@ class _Planned:
         ``provisional``)."""
         plan.measure, self.plan, self.provisional = self.measure, plan, provisional
         warn_if_slow(plan, options)
-        self.add_levels(options)
+        self.complete(options)
 
-    def add_levels(self, options: Options) -> None:
-        """The levels of the plan of a symbolic graph (``levels``), once the loss is measured (the
-        plan of the first step, which measures it, serves every size), each solved when a call
-        first needs it; where the model runs itself (``plain``); saves the plan."""
+    def complete(self, options: Options, below: bool = False) -> None:
+        """Makes what calls at other sizes run, once the loss is measured, and saves the plan:
+        the sizes where the model runs itself (``plain``) and the levels of a symbolic graph's
+        plan (``levels``). Where the plan is plain PyTorch's at the bound, those sizes are
+        measured now; otherwise both serve calls below the bound only, and are made when the
+        first one comes (``below``): a loop at one size never pays for them."""
         plan, g = self.plan, self.plan.graph
-        wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
-        if wanted and plan.levels is None and self.measure.done:
-            with stage(f"levels at smaller sizes ({g.sizes.describe()} at the bound)"):
-                plan.levels = plan_levels(g, plan, options)
-        if plan.fitting is None and self.measure.measured and not options.compile and self.sample is not None:
-            plan.fitting = measure_fitting(plan, self.sample, self.measure.loss_bytes)
-        if not self.provisional:
+        made = False
+        if below or plan.budget >= plan.plain_peak:
+            wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
+            if wanted and plan.levels is None and self.measure.done:
+                with stage(f"levels at smaller sizes ({g.sizes.describe()} at the bound)"):
+                    plan.levels = plan_levels(g, plan, options)
+                made = True
+            if plan.fitting is None and self.measure.measured and not options.compile and self.sample is not None:
+                plan.fitting = measure_fitting(plan, self.sample, self.measure.loss_bytes)
+                made = True
+        if not self.provisional and (made or not below):
             self.save()
+
+    def serving(self, values: tuple[int, ...], options: Options, itself: bool = True) -> Plan | None:
+        """The plan a call at ``values`` of the symbolic sizes runs, or ``None`` where the model
+        runs ``itself``, its own step measured to keep the budget there (``plain``)."""
+        if self.sizes is not None and values != self.sizes.bound:
+            self.complete(options, below=True)
+        plan = self.plan
+        if itself and plan.fitting and plain.runs_model(plan.fitting, values):
+            return None
+        return plan.at(values, self.save)
 
     def save(self) -> None:
         if self.file is not None:
