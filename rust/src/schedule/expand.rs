@@ -229,6 +229,15 @@ impl<'a> Emitter<'a> {
     }
 
     fn compute_group(&mut self, g: usize) -> Result<()> {
+        // A fused chain's intermediate values live only inside its group: each run makes them
+        // and their views again (a view kept from an earlier run would hold that run's storage).
+        for &member in &self.sg.groups[g].members {
+            for &v in &self.graph.node(member).outputs {
+                if self.sg.storage_of(v).is_none() {
+                    self.alive[v] = false;
+                }
+            }
+        }
         for &real in &self.sg.groups[g].reals {
             for &v in &self.graph.node(real).inputs {
                 self.ensure_alive(v)?;
