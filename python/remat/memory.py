@@ -86,6 +86,19 @@ class Allocations:
         """Serials of the allocations released inside the spans named with ``prefixes`` (of ``marks``)."""
         return {self.deltas[i][0] for i in self._within(prefixes) if self.deltas[i][1] < 0}
 
+    def alive_at_marks(self, prefix: str) -> set[int]:
+        """Serials of the allocations named by spans ``prefix<address>`` (of ``marks``): each the
+        allocation alive at that address where the span starts."""
+        found = set()
+        for name, start, _ in self._marked:
+            if not name.startswith(prefix):
+                continue
+            ptr = int(name[len(prefix) :])
+            at = next((i for i in range(start - 1, -1, -1) if self.addresses[i] == ptr), None)
+            if at is not None and self.deltas[at][1] > 0:
+                found.add(self.deltas[at][0])
+        return found
+
     def count(self, prefix: str) -> int:
         """How many spans named ``prefix`` (of ``marks``, a module's name in parentheses after it
         allowed) ran."""

@@ -29,6 +29,9 @@ class StepMemory:
 # second, the unsharded gradients it reduces.
 _FSDP_MADE = ("FSDP::all_gather", "FSDP::post_backward_reduce")
 _FSDP_RELEASED = ("FSDP::post_backward",)
+# The span a parameter's gradient opens, named with its address, where the step sums it into the
+# ``.grad`` it already has.
+_SUMMED = "gradient summed into .grad at "
 
 
 def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemory:
@@ -36,16 +39,38 @@ def measure_step(step: Callable[[], None], keep: list[torch.Tensor]) -> StepMemo
     the step makes, the temporaries inside ops and compiled code's buffers included.
 
     ``keep``: tensors alive before the step (parameters, buffers, inputs, optimizer state); their
-    memory is not counted. Parameters' ``.grad`` after the step are what counts as gradients.
+    memory is not counted. Parameters' ``.grad`` after the step are what counts as gradients, and
+    so do the gradients a step that accumulates sums into the ``.grad`` there before it.
     Under FSDP2 (``fully_shard``) the parameters it gathers, the unsharded gradients it reduces
     and its buffers for reducing them are parameters and gradients: ``peak_with_grads`` counts them.
     """
     params = [t for t in keep if isinstance(t, torch.nn.Parameter)]
-    with Allocations(marks=_FSDP_MADE + _FSDP_RELEASED) as record:
+    with Allocations(marks=(*_FSDP_MADE, *_FSDP_RELEASED, _SUMMED)) as record, _marking_summed(params):
         step()
-    grads = record.alive_at(storage_ptrs(p.grad for p in params))
+    grads = record.alive_at(storage_ptrs(p.grad for p in params)) | record.alive_at_marks(_SUMMED)
     grads |= record.made_within(_FSDP_MADE) | record.released_within(_FSDP_RELEASED)
     return StepMemory(peak(record.deltas, grads), peak(record.deltas, set()))
+
+
+@contextlib.contextmanager
+def _marking_summed(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Each gradient of ``params`` about to be summed into an existing ``.grad`` opens a span
+    ``_SUMMED`` named with its storage's address."""
+
+    def hook(p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+        def mark(grad: torch.Tensor) -> None:
+            if p.grad is not None and type(grad) is torch.Tensor:
+                with torch.profiler.record_function(f"{_SUMMED}{grad.untyped_storage().data_ptr()}"):
+                    pass
+
+        return mark
+
+    handles = [p.register_hook(hook(p)) for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def cuda_peak(step: Callable[[], None]) -> int:
