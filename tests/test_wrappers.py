@@ -71,7 +71,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         for _ in range(3):  # the first measures the loss and plain PyTorch's step (within DDP's backward)
             loss, grads = _step(model, rm, tokens)
             results.append((loss, grads))
-        short = tokens[:, :8]  # where plain PyTorch's step fits, the model runs itself
+        short = tokens[:, :8].contiguous()  # where plain PyTorch's step fits, the model runs itself
         want_short, got_short = _step(model, plain, short), _step(model, rm, short)
         runs_itself = remat.plain.runs_model(rm.module._plan.fitting, (4, 8))
         torch.save(

@@ -254,7 +254,7 @@ class Remat(nn.Module):
             )
         _check_device(self.model, args, kwargs)
         t0 = time.perf_counter()
-        budget, options, provisional = self._budget_arg, self._options, False
+        budget, options, provisional, saved_levels = self._budget_arg, self._options, False, None
         measure = LossMeasure(self.measure_loss and budget is not None)
         shared = self._bases.get(key)
         with planning(type(self.model).__name__, stages=2 if budget is None else 4):
@@ -269,9 +269,8 @@ class Remat(nn.Module):
             if file is not None and file.path.exists():
                 saved = load(file.path, file.fp, base)
                 plan = make_plan(base, saved.outside, budget, options, inputs, (saved.schedule, file.path))
-                symbolic = plan.graph.sizes is not None and plan.budget < plan.plain_peak and not options.compile
-                if symbolic and saved.measured:  # a file saved before the loss was measured has no levels yet
-                    plan.levels = plan_levels(plan.graph, plan, options, (saved.levels, file.path))
+                if saved.measured:  # a file saved before the loss was measured has no levels yet
+                    saved_levels = (saved.levels, file.path)
                 measure.restored(saved.measured)
                 log.info("read the plan from %s", file.path)
             else:
@@ -290,7 +289,7 @@ class Remat(nn.Module):
         shapeless = self._key(args, kwargs, shapes=False)
         sample = Sample(self.model, args, kwargs, shapeless[1])
         self._current = self._plans[key] = _Planned(
-            base, measure, plan, file, inputs, shapeless=shapeless, sample=sample
+            base, measure, plan, file, inputs, shapeless=shapeless, sample=sample, saved_levels=saved_levels
         )
         self._current.adopt(plan, options, provisional)
         if not options.compile:  # the first step plans for its loss at its end (compiled plans measure steps)
@@ -567,6 +566,7 @@ class _Planned:
     provisional: bool = False
     shapeless: tuple = ()  # the key of the calls it may serve, shapes aside (``Remat._key``)
     sample: Sample | None = None  # the call it was planned for, at its bound
+    saved_levels: tuple[tuple, Path] | None = None  # the levels' schedules in the plan file read, and the file
 
     @property
     def sizes(self) -> Sizes | None:
@@ -575,6 +575,8 @@ class _Planned:
     def adopt(self, plan: Plan, options: Options, provisional: bool = False) -> None:
         """Runs ``plan`` from now on (with a warning where it is slow) and saves it (unless
         ``provisional``)."""
+        if plan is not self.plan:  # the file's levels belong to the file's plan
+            self.saved_levels = None
         plan.measure, self.plan, self.provisional = self.measure, plan, provisional
         warn_if_slow(plan, options)
         self.complete(options)
@@ -589,7 +591,10 @@ class _Planned:
         made = False
         if below or plan.budget >= plan.plain_peak:
             wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
-            if wanted and plan.levels is None and self.measure.done:
+            if wanted and plan.levels is None and self.measure.done and self.saved_levels is not None:
+                plan.levels = plan_levels(g, plan, options, self.saved_levels)
+                made = True
+            elif wanted and plan.levels is None and self.measure.done:
                 with stage(f"levels at smaller sizes ({g.sizes.describe()} at the bound)"):
                     plan.levels = plan_levels(g, plan, options)
                 made = True
@@ -611,7 +616,10 @@ class _Planned:
 
     def save(self) -> None:
         if self.file is not None:
-            levels = () if self.plan.levels is None else tuple(self.plan.levels.solved())
+            if self.plan.levels is not None:
+                levels = tuple(self.plan.levels.solved())
+            else:  # not made yet: those of the file read, if any
+                levels = () if self.saved_levels is None else tuple(self.saved_levels[0])
             saved = Saved(self.plan.outside, self.measure.done, self.plan.schedule, levels)
             save(self.file.path, self.file.fp, self.base, saved)
 
