@@ -126,8 +126,8 @@ MODELS: dict[str, Callable[[], Case]] = {
 
 def _step(runner: Callable[..., Any], case: Case) -> Callable[[], None]:
     def step() -> None:
+        case.model.zero_grad(set_to_none=True)  # the gradients the step makes are its .grad, not counted
         case.loss(runner(*case.args)).backward()
-        case.model.zero_grad(set_to_none=True)
 
     return step
 
