@@ -5,8 +5,8 @@ timm's ``set_grad_checkpointing``, ``torch.utils.checkpoint.checkpoint_sequentia
 on each layer), remat at checkpointing's measured peak and remat at its smallest budget. Each row
 gives the measured activation peak (``remat.testing.measure_step``, the loss outside the model
 included), remat's predicted peak and recomputation, and the step time as a ratio to plain
-PyTorch's, medians of steps alternated with plain's in one process (eager executor, random
-weights).
+PyTorch's and to checkpointing's, medians of steps alternated with theirs in one process (eager
+executor, random weights).
 
     .venv/bin/python benches/low_budget.py                        # every model
     .venv/bin/python benches/low_budget.py --models gpt2_6l --steps 3
@@ -36,6 +36,7 @@ class Case:
     loss: Callable[[Any], torch.Tensor]
     checkpointed: Callable[[], Callable[..., Any]]  # the runner with the library's checkpointing
     how: str
+    switch: Callable[[bool], None] = lambda on: None  # turns the library's checkpointing on or off
 
 
 def _gpt2(layers: int) -> Case:
@@ -58,11 +59,13 @@ def _llama() -> Case:
 
 
 def _hf(model: nn.Module, ids: torch.Tensor, how: str) -> Case:
-    def checkpointed() -> Callable[..., Any]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+    def switch(on: bool) -> None:
+        if on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
 
-    return Case(model, (ids,), lambda out: out.logits.float().pow(2).mean(), checkpointed, how)
+    return Case(model, (ids,), lambda out: out.logits.float().pow(2).mean(), lambda: model, how, switch)
 
 
 def _convnext() -> Case:
@@ -70,12 +73,9 @@ def _convnext() -> Case:
 
     model = timm.create_model("convnext_atto", num_classes=10).train()
 
-    def checkpointed() -> Callable[..., Any]:
-        model.set_grad_checkpointing(True)
-        return model
-
     x = torch.randn(8, 3, 128, 128)
-    return Case(model, (x,), lambda out: out.pow(2).mean(), checkpointed, "set_grad_checkpointing")
+    switch = model.set_grad_checkpointing
+    return Case(model, (x,), lambda out: out.pow(2).mean(), lambda: model, "set_grad_checkpointing", switch)
 
 
 def _resnet() -> Case:
@@ -124,10 +124,16 @@ MODELS: dict[str, Callable[[], Case]] = {
 }
 
 
-def _step(runner: Callable[..., Any], case: Case) -> Callable[[], None]:
+def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -> Callable[[], None]:
     def step() -> None:
         case.model.zero_grad(set_to_none=True)  # the gradients the step makes are its .grad, not counted
-        case.loss(runner(*case.args)).backward()
+        if checkpointing:
+            case.switch(True)
+        try:
+            case.loss(runner(*case.args)).backward()
+        finally:
+            if checkpointing:
+                case.switch(False)
 
     return step
 
@@ -143,11 +149,11 @@ def _timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _ratio(step: Callable[[], None], plain: Callable[[], None], steps: int) -> float:
-    """Median step time over plain PyTorch's, steps alternated."""
+def _ratio(step: Callable[[], None], other: Callable[[], None], steps: int) -> float:
+    """Median step time over ``other``'s, steps alternated."""
     ours, theirs = [], []
     for _ in range(steps):
-        for run, times in ((step, ours), (plain, theirs)):
+        for run, times in ((step, ours), (other, theirs)):
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
@@ -165,46 +171,44 @@ def _within(case: Case, budget: int) -> tuple[remat.Remat | None, Callable[[], N
         return None, None, None, exc.min_budget
 
 
-def _row(label: str, rm, step, measured: int | None, floor: int, plain, steps: int) -> tuple:
+def _row(label: str, rm, step, measured: int | None, floor: int, plain, checkpointed, steps: int) -> tuple:
     if rm is None:
-        return (f"{label}: below its smallest budget, {floor / 2**20:.2f} MiB", None, None, None, None)
+        return (f"{label}: below its smallest budget, {floor / 2**20:.2f} MiB", None, None, None, None, None)
     p = rm.plan.schedule.predicted
     recomputing = p.recomputed_time / max(p.time - p.recomputed_time, 1e-12)
     label = f"{label} ({rm.plan.budget / 2**20:.2f} MiB)"
-    return (label, measured, p.step_peak_bytes, recomputing, _ratio(step, plain, steps))
+    ratios = _ratio(step, plain, steps), _ratio(step, checkpointed, steps)
+    return (label, measured, p.step_peak_bytes, recomputing, *ratios)
 
 
 def run(name: str, steps: int) -> list[str]:
     torch.manual_seed(0)
     case = MODELS[name]()
     plain = _step(case.model, case)
-    rows = [("plain PyTorch", _peak(plain, case), None, None, 1.0)]
+    rows = [("plain PyTorch", _peak(plain, case), None, None, 1.0, None)]
     seconds = statistics.median(_timed(plain) for _ in range(steps))
-    checkpointed = _step(case.checkpointed(), case)
+    checkpointed = _step(case.checkpointed(), case, checkpointing=True)
     peak = _peak(checkpointed, case)
-    rows.append((case.how, peak, None, None, _ratio(checkpointed, plain, steps)))
-    if hasattr(case.model, "gradient_checkpointing_disable"):
-        case.model.gradient_checkpointing_disable()
-    if hasattr(case.model, "set_grad_checkpointing"):
-        case.model.set_grad_checkpointing(False)
+    rows.append((case.how, peak, None, None, _ratio(checkpointed, plain, steps), 1.0))
     rm, step, measured, floor = _within(case, peak)
-    rows.append(_row("remat at checkpointing's peak", rm, step, measured, floor, plain, steps))
+    rows.append(_row("remat at checkpointing's peak", rm, step, measured, floor, plain, checkpointed, steps))
     for _ in range(3):  # the smallest budget may rise once the first step has measured the loss
         rm, step, measured, smallest = _within(case, floor)
         if rm is not None:
             break
         floor = smallest
-    rows.append(_row("remat at its smallest budget", rm, step, measured, floor, plain, steps))
+    rows.append(_row("remat at its smallest budget", rm, step, measured, floor, plain, checkpointed, steps))
     mib = 2**20
-    header = "| run | measured peak | predicted peak | predicted recomputing | step / plain |"
-    lines = [f"{name} (plain PyTorch's step {seconds:.3f} s)", header, "|---|---|---|---|---|"]
-    for label, measured, predicted, recomputing, ratio in rows:
+    header = "| run | measured peak | predicted peak | predicted recomputing | step / plain | step / checkpointing |"
+    lines = [f"{name} (plain PyTorch's step {seconds:.3f} s)", header, "|---|---|---|---|---|---|"]
+    for label, measured, predicted, recomputing, ratio, to_checkpointing in rows:
         cells = [
             label,
             "" if measured is None else f"{measured / mib:.2f} MiB",
             "" if predicted is None else f"{predicted / mib:.2f} MiB",
             "" if recomputing is None else f"+{recomputing:.0%}",
             "" if ratio is None else f"{ratio:.2f}x",
+            "" if to_checkpointing is None else f"{to_checkpointing:.2f}x",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
