@@ -68,6 +68,14 @@ def _hf(model: nn.Module, ids: torch.Tensor, how: str) -> Case:
     return Case(model, (ids,), lambda out: out.logits.float().pow(2).mean(), lambda: model, how, switch)
 
 
+def _mamba() -> Case:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=1024, state_size=16, use_cache=False)
+    model = MambaForCausalLM(config).train()
+    return _hf(model, torch.randint(1024, (2, 48)), "gradient_checkpointing_enable, every layer")
+
+
 def _convnext() -> Case:
     import timm
 
@@ -118,6 +126,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2_6l": lambda: _gpt2(6),
     "gpt2_12l": lambda: _gpt2(12),
     "llama": _llama,
+    "mamba": _mamba,
     "convnext": _convnext,
     "resnet": _resnet,
     "encoder": _encoder,
