@@ -39,6 +39,23 @@ class _Dropouts(nn.Module):
         return self.layers(x)
 
 
+def test_gradients_summed_into_grad_are_gradients() -> None:
+    """A step that accumulates makes each parameter's gradient and sums it into the ``.grad`` it
+    already has: that gradient counts as a gradient, as the ``.grad`` a first step makes does."""
+    layer = nn.Linear(1024, 1024)  # a 4 MiB weight, 32 KiB activations
+    x = torch.randn(8, 1024)
+
+    def step() -> None:
+        layer(x).pow(2).mean().backward()
+
+    keep = [*layer.parameters(), x]
+    first = remat.testing.measure_step(step, keep)
+    assert layer.weight.grad is not None
+    again = remat.testing.measure_step(step, keep)
+    assert first.peak_bytes < MIB and again.peak_bytes == first.peak_bytes, (first, again)
+    assert again.peak_with_grads >= 4 * MIB
+
+
 def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> None:
     torch.manual_seed(0)
     model, x = _Dropouts().train(), torch.randn(512, 512)

@@ -89,14 +89,17 @@ class Allocations:
     def alive_at_marks(self, prefix: str) -> set[int]:
         """Serials of the allocations named by spans ``prefix<address>`` (of ``marks``): each the
         allocation alive at that address where the span starts."""
+        events: dict[int, list[int]] = {}  # address -> its events, in order
+        for i, ptr in enumerate(self.addresses):
+            events.setdefault(ptr, []).append(i)
         found = set()
         for name, start, _ in self._marked:
             if not name.startswith(prefix):
                 continue
-            ptr = int(name[len(prefix) :])
-            at = next((i for i in range(start - 1, -1, -1) if self.addresses[i] == ptr), None)
-            if at is not None and self.deltas[at][1] > 0:
-                found.add(self.deltas[at][0])
+            at = events.get(int(name[len(prefix) :]), [])
+            last = bisect.bisect_left(at, start) - 1  # the address's last event before the span
+            if last >= 0 and self.deltas[at[last]][1] > 0:
+                found.add(self.deltas[at[last]][0])
         return found
 
     def count(self, prefix: str) -> int:

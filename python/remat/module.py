@@ -591,12 +591,12 @@ class _Planned:
         made = False
         if below or plan.budget >= plan.plain_peak:
             wanted = g.sizes is not None and plan.budget < plan.plain_peak and not options.compile
-            if wanted and plan.levels is None and self.measure.done and self.saved_levels is not None:
-                plan.levels = plan_levels(g, plan, options, self.saved_levels)
-                made = True
-            elif wanted and plan.levels is None and self.measure.done:
-                with stage(f"levels at smaller sizes ({g.sizes.describe()} at the bound)"):
-                    plan.levels = plan_levels(g, plan, options)
+            if wanted and plan.levels is None and self.measure.done:
+                if self.saved_levels is not None:  # replayed from the file
+                    plan.levels = plan_levels(g, plan, options, self.saved_levels)
+                else:
+                    with stage(f"levels at smaller sizes ({g.sizes.describe()} at the bound)"):
+                        plan.levels = plan_levels(g, plan, options)
                 made = True
             if plan.fitting is None and self.measure.measured and not options.compile and self.sample is not None:
                 plan.fitting = measure_fitting(plan, self.sample, self.measure.loss_bytes)
