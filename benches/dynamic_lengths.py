@@ -6,7 +6,7 @@ Prints, per length bucket, plain PyTorch's and remat's median step time and meas
 (``remat.testing.measure_step`` at the bucket's longest length), remat's step time against a
 plan made ahead of time for that length alone (``dynamic=False``), and the time spent planning:
 in ``Remat(...)``, in the first step (which measures the loss and plans for it), and in every
-later step (which should be none).
+later step (only those that first need a plan at a smaller size).
 
     .venv/bin/python benches/dynamic_lengths.py                       # GPT-2 4L, loss inside
     .venv/bin/python benches/dynamic_lengths.py --model llama --loss outside
