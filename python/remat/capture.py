@@ -9,6 +9,7 @@ placeholders.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,9 +20,15 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import tree
+from . import blocks, tree
 from .errors import CaptureError
 from .sizes import Sizes, free_symbols, is_size
+
+log = logging.getLogger("remat")
+
+# Meta key of a node copied from a repeated block (``blocks``): a key for the storage of each
+# tensor of its value, which it shares with the node it is copied from.
+STORAGES = "remat_storages"
 
 # Meta key of a tied gradient's sum, which may add its second argument into its first.
 ACCUMULATES = "remat_accumulates"
@@ -95,6 +102,31 @@ def capture(
     Inductor, which fuses the products that give dropout's output into their reader
     (``_dropout_from_its_mask``). ``dynamic``: for each flat input tensor, the dimensions traced
     as symbols (``sizes``); the graph then holds ``Sizes``, unless tracing made them all static."""
+    found = blocks.runs(model, args, kwargs)
+    try:
+        joint = _joint(model, args, kwargs, compiled, dynamic, found)
+    except (blocks.NotAlike, CaptureError) as exc:
+        if not found:
+            raise
+        log.info("tracing %s whole: %s", type(model).__name__, exc)
+        joint = _joint(model, args, kwargs, compiled, dynamic, [])
+    gm, placeholders, bindings, outputs, output_bindings, out_spec, sizes = joint
+    _, in_spec, consts = flatten_inputs(args, kwargs)
+    _check_no_collectives(gm, type(model).__name__)
+    _sum_tied_grads(model, gm, outputs, output_bindings)
+    _drop_running_stats_from_batch_norm_backward(gm)
+    _views_as_reshapes(gm)
+    if not any(b.kind == "forward" for b in output_bindings):
+        raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
+    return Captured(gm, placeholders, bindings, outputs, output_bindings, out_spec, in_spec, consts, sizes)
+
+
+def _joint(
+    model: nn.Module, args: tuple, kwargs: dict, compiled: bool, dynamic: list[set[int]] | None, found: list[blocks.Run]
+):
+    """The traced joint graph, its placeholders and their bindings, its outputs and theirs, the
+    model's output spec and the graph's sizes; with ``found``, traced with each run shortened and
+    made the whole model's graph (``blocks``)."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     tensors, in_spec, consts = flatten_inputs(args, kwargs)
@@ -102,7 +134,8 @@ def capture(
     fakes = None
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_compiling())
+            stack.enter_context(compiling())
+            stack.enter_context(blocks.shortened(model, found))
             if dynamic is not None:
                 fakes, shape_env = _symbolic_inputs(tensors, dynamic)
             joint = aot_export_joint_with_descriptors(stack, flat, tuple(fakes or tensors))
@@ -117,22 +150,20 @@ def capture(
         ) from exc
     if flat.out_spec is None:
         raise CaptureError(f"{type(model).__name__} produced no output during capture")
-    _check_no_collectives(gm, type(model).__name__)
-
-    if compiled:
-        _dropout_from_its_mask(gm)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    bindings = [_binding(n) for n in placeholders]
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = list(out_node.args[0])
     descs = out_node.meta.get("desc") or [None] * len(outputs)
     output_bindings = [_output_binding(d) for d in descs]
-    _sum_tied_grads(model, gm, outputs, output_bindings)
-    _drop_running_stats_from_batch_norm_backward(gm)
-    _views_as_reshapes(gm)
-    if not any(b.kind == "forward" for b in output_bindings):
-        raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
-    return Captured(gm, placeholders, bindings, outputs, output_bindings, flat.out_spec, in_spec, consts, sizes)
+    bindings = {n: _binding(n) for n in gm.graph.nodes if n.op == "placeholder"}
+    if compiled:
+        _dropout_from_its_mask(gm)
+    if found:
+        try:
+            blocks.splice(gm, bindings, outputs, output_bindings, found)
+        except Exception as exc:  # a graph the copies do not fit is traced whole
+            raise blocks.NotAlike(f"{type(exc).__name__}: {exc}") from exc
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return gm, placeholders, [bindings[n] for n in placeholders], outputs, output_bindings, flat.out_spec, sizes
 
 
 # Namespaces of the ops that communicate with other processes.
@@ -206,7 +237,7 @@ def _sizes(gm: fx.GraphModule, tensors: list[torch.Tensor], fakes: list, shape_e
 
 
 @contextlib.contextmanager
-def _compiling() -> Iterator[None]:
+def compiling() -> Iterator[None]:
     """``torch.compiler.is_compiling()`` is true while the model is traced, as under torch.compile
     and torch.export: models then take their traceable paths (transformers' masks skip their
     data-dependent checks)."""
@@ -287,7 +318,7 @@ def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
         if 0 not in parts:
             continue
         out = parts[0]
-        tag = {"partitioner_tag": node.meta["partitioner_tag"]} if "partitioner_tag" in node.meta else {}
+        tag = {k: node.meta[k] for k in ("partitioner_tag", "custom") if k in node.meta}  # "custom": ``blocks``
         factor, (drawn, mask_val) = 1 / (1 - p), node.meta["val"]
         with gm.graph.inserting_before(max(parts.values(), key=order.__getitem__).next):
             mask = parts.get(1) or gm.graph.call_function(operator.getitem, (node, 1))

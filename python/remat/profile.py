@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .blocks import storage_keys
 from .capture import ACCUMULATES
 from .errors import CaptureError
 from .graph import JointGraph
@@ -46,14 +47,14 @@ _LONG = 0.01
 def estimate(g: JointGraph) -> None:
     """Fill in each value's bytes and ``alias_of`` from the fake tensors of the captured graph,
     and each node's time from its bytes and FLOPs; temporaries are 0."""
-    owner_of: dict[int, int] = {}  # fake storage -> owning value id
+    owner_of: dict[Any, int] = {}  # fake storage -> owning value id
     for v in g.values:
         if v.kind in ("param", "buffer", "input", "tangent"):
-            _claim(v, *_fake_storage(g, value_meta(g, v)), owner_of, may_alias=v.kind != "tangent")
+            _claim(v, *_fake_storage(g, v), owner_of, may_alias=v.kind != "tangent")
     for n in g.nodes:
         for vid in n.outputs:
             value = g.values[vid]
-            _claim(value, *_fake_storage(g, value_meta(g, value)), owner_of, not n.fx_node.meta.get(ACCUMULATES))
+            _claim(value, *_fake_storage(g, value), owner_of, not n.fx_node.meta.get(ACCUMULATES))
         n.time = _estimated_time(g, n)
 
 
@@ -65,9 +66,11 @@ def value_meta(g: JointGraph, v) -> torch.Tensor:
     return val if v.index is None else val[v.index]
 
 
-def _fake_storage(g: JointGraph, t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage._cdata, g.concrete(storage.nbytes())
+def _fake_storage(g: JointGraph, v) -> tuple[Any, int]:
+    """A key for the storage of the value's fake tensor, and its bytes."""
+    t = value_meta(g, v)
+    key = t.untyped_storage()._cdata if v.source.op == "get_attr" else storage_keys(v.source)[v.index or 0]
+    return key, g.concrete(t.untyped_storage().nbytes())
 
 
 def _estimated_time(g: JointGraph, n) -> float:
@@ -260,7 +263,7 @@ def _cpu_temp(fn, args: tuple, kwargs: dict, grads: list[int | None]) -> int:
     return peak(record.deltas, skip) - new
 
 
-def _claim(value, key: int, nbytes: int, owner_of: dict[int, int], may_alias: bool = True) -> int:
+def _claim(value, key: Any, nbytes: int, owner_of: dict[Any, int], may_alias: bool = True) -> int:
     """Record whether ``value``'s storage (``key``, of ``nbytes``) is held by another value (an
     alias: a view, or a graph input tied to another one) or is new; return the new bytes."""
     owner = owner_of.get(key, value.id) if nbytes else value.id
