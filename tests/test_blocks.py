@@ -89,13 +89,15 @@ def _vit():
 
 
 @pytest.mark.parametrize("build", [_gpt2, _llama, _resnet, _encoder, _vit], ids=lambda b: b.__name__[1:])
-def test_the_shortened_trace_is_the_whole_graph(monkeypatch: pytest.MonkeyPatch, build) -> None:
+def test_the_shortened_trace_is_the_whole_graph(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, build
+) -> None:
     torch.manual_seed(0)
     model, args, dynamic = build()
     model.train()
-    found = blocks.runs(model, args, {})
-    assert found, "the model's blocks are alike"
-    spliced = capture(model, args, {}, dynamic=dynamic)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        spliced = capture(model, args, {}, dynamic=dynamic)
+    assert "blocks of" in caplog.text and "whole" not in caplog.text
     whole = _whole(monkeypatch, model, args, dynamic)
     assert _structure(spliced) == _structure(whole)
 
@@ -157,6 +159,7 @@ def test_a_model_with_blocks_traced_once_trains_like_pytorch(caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="remat"):
         rm = remat.Remat(model, ids, budget=0.5)
     assert "tracing GPT2LMHeadModel with 3 of the 6 blocks of transformer.h" in caplog.text
+    assert "whole" not in caplog.text
 
     def loss(out):
         return out.logits.float().pow(2).mean()

@@ -596,7 +596,7 @@ def _storage_keys(
     for j, nodes in made.items():
         for n, new in nodes.items():
             if new is not n:
-                pairs = [(a, made[j][a] if a in in_second else source(a, j)) for a in n.all_input_nodes]
+                pairs = [(a, made[j][a] if a in in_second else source(a, j)) for a in read_before[n]]
                 reads[new] = (j, n, pairs)
     for (j, a), ph in own.items():
         reads[ph] = (j, a, [])
