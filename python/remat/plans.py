@@ -118,7 +118,6 @@ class Plan:
     built: Phases | None  # the phases that run; ``None``: eager ones, built on the first run
     budget: int
     plain_peak: int
-    min_budget: int
     reserve: int  # bytes of the budget held back for RNG states and buffer copies
     outside: Outside
     copied: set[int]  # buffers whose pre-step values the backward phase keeps
@@ -143,6 +142,12 @@ class Plan:
             with stage("build"):
                 self.built = build_phases(self.graph, self.schedule)
         return self.built
+
+    @functools.cached_property
+    def min_budget(self) -> int:
+        """The smallest budget any schedule of the graph keeps (a replay of the keep-nothing
+        schedule: made when asked for)."""
+        return self.planner.budget_range()[0]
 
     @functools.cached_property
     def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
@@ -218,29 +223,29 @@ def first_plan(
     def fits(outside: Outside) -> bool:
         """Whether some schedule of ``base`` with ``outside`` keeps ``budget`` (without solving)."""
         w = _with(base, outside, made)
-        target = _target(budget, w.min_budget, w.plain_peak)
+        target = _target(budget, w)
         return target >= w.plain_peak or w.min_budget <= target
 
     if isinstance(budget, float):  # of the plain step's peak with the estimated loss
         w = _with(base, estimate, made)
-        budget = _target(budget, w.min_budget, w.plain_peak)
-    if learned is not None:
-        try:
-            return make_plan(base, estimate, budget, options, inputs, made=made)
-        except InfeasibleBudget as exc:
+        budget = _target(budget, w)
+    try:
+        return make_plan(base, estimate, budget, options, inputs, made=made)
+    except InfeasibleBudget as exc:
+        if learned is not None:
             raise InfeasibleBudget(exc.budget, exc.min_budget, estimate.loss_bytes, estimated=True) from None
-    if not fits(estimate):
-        if fits(replace(estimate, loss_bytes=0)):
-            room, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
-            while too_big - room > max(1024, estimate.loss_bytes // 100):
-                mid = (room + too_big) // 2
-                room, too_big = (mid, too_big) if fits(replace(estimate, loss_bytes=mid)) else (room, mid)
-            estimate = replace(estimate, loss_bytes=room)
-        else:
-            no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
-            estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
-            if not fits(estimate):
-                estimate = Outside(0, 0, no_grad, released)
+    # The estimated loss does not fit: the most of it that does, or none.
+    if fits(replace(estimate, loss_bytes=0)):
+        room, too_big = 0, estimate.loss_bytes  # the largest room that fits, to 1% of the estimate
+        while too_big - room > max(1024, estimate.loss_bytes // 100):
+            mid = (room + too_big) // 2
+            room, too_big = (mid, too_big) if fits(replace(estimate, loss_bytes=mid)) else (room, mid)
+        estimate = replace(estimate, loss_bytes=room)
+    else:
+        no_grad, released = frozenset(differentiable_outputs(base)), frozenset(forward_outputs(base))
+        estimate = Outside(LOSS_SCALARS, LOSS_SCALARS, no_grad, released)  # a scalar loss
+        if not fits(estimate):
+            estimate = Outside(0, 0, no_grad, released)
     return make_plan(base, estimate, budget, options, inputs, made=made)
 
 
@@ -287,16 +292,20 @@ def min_with(base: JointGraph, outside: Outside) -> int:
     return _with(base, outside).min_budget
 
 
-@dataclass(frozen=True)
+@dataclass
 class _WithOutside:
-    """``base`` with an ``Outside`` (``boundary.with_outside``), parsed, with its budget range
+    """``base`` with an ``Outside`` (``boundary.with_outside``), parsed, with plain PyTorch's peak
     and the buffers a step copies."""
 
     g: JointGraph
     planner: Planner
-    min_budget: int
     plain_peak: int
     copied: set[int]
+
+    @functools.cached_property
+    def min_budget(self) -> int:
+        """The smallest budget (a replay of the keep-nothing schedule: made when asked for)."""
+        return self.planner.budget_range()[0]
 
 
 def _with(base: JointGraph, outside: Outside, made: dict[Outside, _WithOutside] | None = None) -> _WithOutside:
@@ -311,14 +320,15 @@ def _with(base: JointGraph, outside: Outside, made: dict[Outside, _WithOutside] 
 
 def _parsed(g: JointGraph) -> _WithOutside:
     planner = Planner(g.to_json())
-    return _WithOutside(g, planner, *planner.budget_range(), g.buffers_to_copy())
+    return _WithOutside(g, planner, planner.plain_peak(), g.buffers_to_copy())
 
 
-def _target(budget: int | float | None, min_budget: int, plain_peak: int) -> int:
-    """The budget in bytes: a fraction is of plain PyTorch's peak, ``None`` is that peak."""
+def _target(budget: int | float | None, w: _WithOutside) -> int:
+    """The budget in bytes: a fraction is of plain PyTorch's peak, ``None`` is that peak (or
+    the smallest budget, where that is larger)."""
     if budget is None:
-        return max(plain_peak, min_budget)
-    return _core.budget_bytes(budget, plain_peak)
+        return max(w.plain_peak, w.min_budget)
+    return _core.budget_bytes(budget, w.plain_peak)
 
 
 def make_plan(
@@ -342,8 +352,8 @@ def make_plan(
         w = _parsed(g)
     else:
         w = _with(base, outside, made)
-    g, planner, min_budget, plain_peak, copied = w.g, w.planner, w.min_budget, w.plain_peak, w.copied
-    target = _target(budget, min_budget, plain_peak)
+    g, planner, plain_peak, copied = w.g, w.planner, w.plain_peak, w.copied
+    target = _target(budget, w)
     fit = options.compile and inputs is not None and budget is not None
     if fit and profiler_running():
         log.warning("torch.profiler is running: the compiled plan's memory is not measured, only predicted")
@@ -367,8 +377,11 @@ def make_plan(
             peak = schedule.predicted.step_peak_bytes
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
-    limits = (target, plain_peak, min_budget, schedule.predicted.beside_bytes)
-    return Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
+    limits = (target, plain_peak, schedule.predicted.beside_bytes)
+    plan = Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
+    if "min_budget" in w.__dict__:  # made already
+        plan.min_budget = w.min_budget
+    return plan
 
 
 def _replayed(planner: Planner, schedule: Schedule, path: Path) -> Schedule:
@@ -501,7 +514,7 @@ def _with_value(values: tuple[int, ...], i: int, value: int) -> tuple[int, ...]:
 def _level_plan(top: Plan, level: Level, options: Options, saved: tuple[Schedule, Path] | None = None) -> Plan | None:
     """``level``'s plan within ``top``'s budget (``None`` where none keeps it), solved or the
     schedule of a plan file (``saved``: the schedule and the file), replayed."""
-    min_budget, plain_peak = level.planner.budget_range()
+    plain_peak = level.plain_peak
     if saved is None:
         try:
             schedule = _solve(level.planner, top.budget, options)
@@ -512,7 +525,7 @@ def _level_plan(top: Plan, level: Level, options: Options, saved: tuple[Schedule
     peak = schedule.predicted.step_peak_bytes
     if saved is not None and peak > top.budget:
         raise PlanFileError(f"a schedule in {saved[1]} peaks at {peak} bytes, over {top.budget}; delete it")
-    limits = (top.budget, plain_peak, min_budget, schedule.predicted.beside_bytes)
+    limits = (top.budget, plain_peak, schedule.predicted.beside_bytes)
     return Plan(top.graph, level.planner, schedule, None, *limits, top.outside, top.copied, peak)
 
 
