@@ -400,7 +400,6 @@ def splice(
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_node.args = (list(outputs),)
     gm.graph.lint()
-    gm.recompile()
 
 
 def _regions(gm: fx.GraphModule, r: int) -> dict[fx.Node, int]:

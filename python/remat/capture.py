@@ -116,6 +116,7 @@ def capture(
     _sum_tied_grads(model, gm, outputs, output_bindings)
     _drop_running_stats_from_batch_norm_backward(gm)
     _views_as_reshapes(gm)
+    gm.recompile()  # the passes edit the graph; its code is made once, after them
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
     return Captured(gm, placeholders, bindings, outputs, output_bindings, out_spec, in_spec, consts, sizes)
@@ -271,7 +272,6 @@ def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, binding
         bindings[i] = OutputBinding("none", None)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_node.args = (list(outputs),)
-    gm.recompile()
 
 
 def _drop_running_stats_from_batch_norm_backward(gm: fx.GraphModule) -> None:
@@ -282,7 +282,6 @@ def _drop_running_stats_from_batch_norm_backward(gm: fx.GraphModule) -> None:
             args = list(node.args)
             args[3] = args[4] = None
             node.args = tuple(args)
-    gm.recompile()
 
 
 def _views_as_reshapes(gm: fx.GraphModule) -> None:
@@ -293,7 +292,6 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.view.default:
             node.target = torch.ops.aten.reshape.default
-    gm.recompile()
 
 
 def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
@@ -335,7 +333,6 @@ def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
         scaled.meta = {**tag, "val": drawn}
         out.replace_all_uses_with(scaled)
         gm.graph.erase_node(out)
-    gm.recompile()
 
 
 def _position(gm: fx.GraphModule, node: fx.Node) -> int:
