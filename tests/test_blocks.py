@@ -42,10 +42,10 @@ def _leaves(n: fx.Node, label: dict) -> list:
     return leaves
 
 
-def _whole(monkeypatch: pytest.MonkeyPatch, model: nn.Module, args: tuple, dynamic):
+def _whole(monkeypatch: pytest.MonkeyPatch, model: nn.Module, args: tuple, dynamic, compiled: bool = False):
     with monkeypatch.context() as m:
         m.setattr(blocks, "runs", lambda *a: [])
-        return capture(model, args, {}, dynamic=dynamic)
+        return capture(model, args, {}, compiled, dynamic)
 
 
 def _gpt2():
@@ -88,7 +88,12 @@ def _vit():
     return model, (torch.randn(2, 3, 32, 32),), None
 
 
-@pytest.mark.parametrize("build", [_gpt2, _llama, _resnet, _encoder, _vit], ids=lambda b: b.__name__[1:])
+def _sequential():
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16)) for _ in range(5)]
+    return nn.Sequential(*blocks), (torch.randn(64, 16, requires_grad=True),), None
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama, _resnet, _encoder, _vit, _sequential], ids=lambda b: b.__name__[1:])
 def test_the_shortened_trace_is_the_whole_graph(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, build
 ) -> None:
@@ -100,6 +105,32 @@ def test_the_shortened_trace_is_the_whole_graph(
     assert "blocks of" in caplog.text and "whole" not in caplog.text
     whole = _whole(monkeypatch, model, args, dynamic)
     assert _structure(spliced) == _structure(whole)
+
+
+def test_the_shortened_trace_for_inductor_is_the_whole_graph(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """For Inductor, dropout's output is remade from its mask in the graph: the copies too."""
+    torch.manual_seed(0)
+    model, args, dynamic = _gpt2()
+    model.train()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        spliced = capture(model, args, {}, True, dynamic)
+    assert "blocks of" in caplog.text and "whole" not in caplog.text
+    assert _structure(spliced) == _structure(_whole(monkeypatch, model, args, dynamic, compiled=True))
+
+
+def test_a_model_that_is_its_run_of_blocks_trains_like_pytorch(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model, (x,), _ = _sequential()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        rm = remat.Remat(model, x, budget=0.8)
+    assert "with 3 of the 5 blocks of the model" in caplog.text and "whole" not in caplog.text
+    for _ in range(2):
+        expected = run_step(model, model, x)
+        got = run_step(model, rm, x)
+        assert_close_outputs(got.out, expected.out)
+        assert_close_grads(got.grads, expected.grads)
 
 
 class _Scaled(nn.Module):
