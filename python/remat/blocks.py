@@ -121,13 +121,14 @@ def _candidates(model: nn.Module) -> list[Run]:
         if list(container._modules) != [str(i) for i in range(len(blocks))]:
             continue
         signatures = [_signature(b, uses) for b in blocks]
-        start = 0
+        longest, start = (0, 0), 0
         for i in range(1, len(blocks) + 1):
             if i == len(blocks) or signatures[i] is None or signatures[i] != signatures[start]:
-                if signatures[start] is not None and i - start >= SHORTEST_RUN:
-                    found.append(Run(name, container, len(blocks), start, i))
-                    break  # one run per container
+                if signatures[start] is not None and i - start > longest[1] - longest[0]:
+                    longest = (start, i)
                 start = i
+        if longest[1] - longest[0] >= SHORTEST_RUN:  # one run per container, its longest
+            found.append(Run(name, container, len(blocks), *longest))
     return found
 
 

@@ -157,9 +157,12 @@ fn split(crossing: &[usize], lo: usize, hi: usize, max_groups: usize, cuts: &mut
     split(crossing, start, hi, max_groups, cuts);
 }
 
-/// Block bounds `0 = b_0 < ... < b_L = n` from sorted cuts, merging the smallest neighbours
-/// while the merged block has at most `join_groups` groups or there are more than `max_blocks`
-/// blocks.
+/// Block bounds `0 = b_0 < ... < b_L = n` from sorted cuts: the smallest neighbours merged while
+/// the merged block has at most `join_groups` groups; then, while there are more than
+/// `max_blocks` blocks, every pair of neighbours of the smallest merged size at once, from the
+/// left. Merging those pairs one at a time would leave a chain of repeated layers half merged
+/// (GPT-2 48L: 32 layers as one block each, 16 as two), with three block classes to solve
+/// instead of one.
 fn merge_small(n: usize, cuts: Vec<usize>, join_groups: usize, max_blocks: usize) -> Vec<usize> {
     let mut bounds = vec![0];
     bounds.extend(cuts.into_iter().filter(|&c| c > 0 && c < n));
@@ -168,14 +171,36 @@ fn merge_small(n: usize, cuts: Vec<usize>, join_groups: usize, max_blocks: usize
     if n == 0 {
         return vec![0, 0];
     }
+    let merged_size = |bounds: &[usize], i: usize| bounds[i + 1] - bounds[i - 1];
     while bounds.len() > 2 {
         let merged = (1..bounds.len() - 1)
-            .min_by_key(|&i| bounds[i + 1] - bounds[i - 1])
+            .min_by_key(|&i| merged_size(&bounds, i))
             .expect("more than one block");
-        if bounds[merged + 1] - bounds[merged - 1] > join_groups && bounds.len() - 1 <= max_blocks {
+        if merged_size(&bounds, merged) > join_groups {
             break;
         }
         bounds.remove(merged);
+    }
+    while bounds.len() - 1 > max_blocks {
+        let least = (1..bounds.len() - 1)
+            .map(|i| merged_size(&bounds, i))
+            .min()
+            .expect("more than one block");
+        let mut kept = vec![bounds[0]];
+        let mut i = 1;
+        while i < bounds.len() - 1 {
+            if merged_size(&bounds, i) == least {
+                kept.push(bounds[i + 1]); // blocks i - 1 and i become one
+                i += 2;
+            } else {
+                kept.push(bounds[i]);
+                i += 1;
+            }
+        }
+        if kept.last() != bounds.last() {
+            kept.push(n);
+        }
+        bounds = kept;
     }
     bounds
 }
@@ -248,5 +273,39 @@ fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
         deltas: delta,
         span,
         long_span_bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_small;
+
+    /// Block sizes in groups.
+    fn sizes(bounds: &[usize]) -> Vec<usize> {
+        bounds.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    #[test]
+    fn too_many_blocks_of_repeated_layers_merge_into_alike_blocks() {
+        // A head of 2 groups, ten layers of two pieces (3 and 5 groups), a tail of 2.
+        let mut cuts = vec![2];
+        let mut at = 2;
+        for _ in 0..10 {
+            cuts.extend([at + 3, at + 8]);
+            at += 8;
+        }
+        let n = at + 2;
+        let bounds = merge_small(n, cuts, 1, 12);
+        let blocks = sizes(&bounds);
+        assert!(blocks.len() <= 12, "{blocks:?}");
+        assert_eq!(blocks.iter().sum::<usize>(), n);
+        let middle = &blocks[1..blocks.len() - 1];
+        assert!(middle.iter().all(|&b| b == 8), "{blocks:?}");
+    }
+
+    #[test]
+    fn blocks_within_the_limit_are_merged_only_while_small() {
+        let bounds = merge_small(20, vec![1, 2, 10, 15], 3, 64);
+        assert_eq!(sizes(&bounds), vec![2, 8, 5, 5]);
     }
 }
