@@ -147,7 +147,7 @@ def map_sizes(args: Any, size_of) -> Any:
             return size_of(a)
         return a
 
-    return pytree.tree_map(one, args, is_leaf=lambda a: isinstance(a, fx.Node))
+    return fx.node.map_aggregate(args, one)
 
 
 def symbolic_size(name: str) -> int:
