@@ -46,6 +46,7 @@ class Planner:
     def __init__(self, graph_json: str) -> None:
         self._graph = _core.Graph(graph_json)
         self._json = graph_json if ranks.sharing() else None
+        self._range: tuple[int, int] | None = None
 
     def plan(self, budget: int, options: SolverOptions) -> Schedule:
         """The schedule within ``budget`` bytes (``InfeasibleBudget`` below the smallest). Where
@@ -60,8 +61,10 @@ class Planner:
         return Schedule.of_json(solved)
 
     def budget_range(self) -> tuple[int, int]:
-        """The smallest budget a schedule keeps, and plain PyTorch's peak."""
-        return self._graph.budget_range()
+        """The smallest budget a schedule keeps, and plain PyTorch's peak (replayed once, then kept)."""
+        if self._range is None:
+            self._range = self._graph.budget_range()
+        return self._range
 
     def plain_peak(self) -> int:
         """Plain PyTorch's peak, without the smallest budget (whose replay takes longer)."""

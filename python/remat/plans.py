@@ -143,7 +143,7 @@ class Plan:
                 self.built = build_phases(self.graph, self.schedule)
         return self.built
 
-    @functools.cached_property
+    @property
     def min_budget(self) -> int:
         """The smallest budget any schedule of the graph keeps (a replay of the keep-nothing
         schedule: made when asked for)."""
@@ -302,7 +302,7 @@ class _WithOutside:
     plain_peak: int
     copied: set[int]
 
-    @functools.cached_property
+    @property
     def min_budget(self) -> int:
         """The smallest budget (a replay of the keep-nothing schedule: made when asked for)."""
         return self.planner.budget_range()[0]
@@ -378,10 +378,7 @@ def make_plan(
         if saved is not None and peak > target:
             raise PlanFileError(f"the schedule in {saved[1]} peaks at {peak} bytes, over {target}; delete it")
     limits = (target, plain_peak, schedule.predicted.beside_bytes)
-    plan = Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
-    if "min_budget" in w.__dict__:  # made already
-        plan.min_budget = w.min_budget
-    return plan
+    return Plan(g, planner, schedule, phases, *limits, outside, copied, peak)
 
 
 def _replayed(planner: Planner, schedule: Schedule, path: Path) -> Schedule:
