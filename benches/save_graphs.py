@@ -3,13 +3,18 @@ rust/tests/graphs/, the inputs of the Rust tests and `cargo bench`.
 
     .venv/bin/python benches/save_graphs.py            # all models
     .venv/bin/python benches/save_graphs.py gpt2_12l   # some of them
+
+Each is measured by plain PyTorch's step, or (``OUTSIDE``: the loss outside the model) by
+remat's first step.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import remat
 import torch
 from remat.trace import trace
 from torch import nn
@@ -65,22 +70,50 @@ MODELS = {
 }
 
 
+def gpt2_wide(layers: int):
+    """GPT-2 as ``benches/low_budget.py`` has it: its logits (32 MiB) and the loss's room (128 MiB)
+    are most of the smallest budget."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=256, n_head=8, vocab_size=8192, use_cache=False)
+    return lambda: (GPT2LMHeadModel(config), torch.randint(8192, (4, 256)))
+
+
+def logits_squared(out) -> torch.Tensor:
+    return out.logits.float().pow(2).mean()
+
+
+# Graphs with the loss outside the model, as remat plans them once its first step has measured
+# the loss: the user's loss is a forward node that holds what it measured (the loss's room), and
+# the logits it reads are released when the forward phase returns them.
+OUTSIDE = {"gpt2_6l_outside": (gpt2_wide(6), logits_squared)}
+
+
 def save(name: str) -> tuple[Path, int]:
     """Save ``name``'s graph; return its path and number of nodes."""
     torch.manual_seed(0)
-    model, sample = MODELS[name]()
+    make, loss = OUTSIDE.get(name, (MODELS.get(name), None))
+    model, sample = make()
     model.train()
     args = sample if isinstance(sample, tuple) else (sample,)
-    g = trace(model, args, {})
-    g.name = name
+    if loss is None:
+        g = trace(model, args, {})
+        g.name = name
+        text, nodes = g.to_json(), len(g.nodes)
+    else:
+        rm = remat.Remat(model, args, 0.9)
+        loss(rm(*args)).backward()  # measures the loss and plans again with it
+        graph = rm.graph
+        graph["name"] = name
+        text, nodes = json.dumps(graph), len(graph["nodes"])
     path = OUT / f"{name}.json"
-    path.write_text(g.to_json())
-    return path, len(g.nodes)
+    path.write_text(text)
+    return path, nodes
 
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[1:] or MODELS:
+    for name in sys.argv[1:] or [*MODELS, *OUTSIDE]:
         path, nodes = save(name)
         shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
         print(f"{shown}: {path.stat().st_size} bytes, {nodes} nodes")

@@ -121,15 +121,57 @@ impl<'c> Solver<'c> {
 
     /// [`solve`] at `mem_limit`.
     pub fn solve(&self, mem_limit: u64) -> Result<ChainSequence> {
-        solve_in(self.chain, mem_limit, self.slots, |grid| {
-            let cell = {
-                let mut tables = self.tables.lock().expect("no solve panicked");
-                Arc::clone(tables.entry(grid.unit).or_default())
-            };
-            let capacity = grid.band_capacity(self.slots);
-            cell.get_or_init(|| Filled::new(self.chain, grid.unit, capacity).map(Arc::new))
-                .clone()
-        })
+        solve_in(self.chain, mem_limit, self.slots, |grid| self.filled(grid))
+    }
+
+    /// The chain run without grad to the loss, keeping nothing (`Fck(0) Fn(1) … Fn(L-1) Loss`),
+    /// then the least-time sequence from `x_0` and `δ_L` within `mem_limit` (`T(m, 0, L-1)`):
+    /// the checkpoint `x_L` of `T(m, 0, L)`, whatever the forward's memory. Near the smallest
+    /// budget the forward and the loss are the step's peak, and the chain's model of them is
+    /// coarser than the graph's (a block's input held while it runs, storages spanning several
+    /// blocks held for the whole step): the caller replays the schedule and judges its peak.
+    /// `None` where `T(m, 0, L-1)` is infeasible or a block runs only once.
+    pub fn after_loss(&self, mem_limit: u64) -> Result<Option<ChainSequence>> {
+        let start = Instant::now();
+        let chain = self.chain;
+        let grid = Grid::new(chain, mem_limit, self.slots);
+        let Some(grid) = grid.filter(|_| chain.blocks.iter().all(|b| !b.once)) else {
+            return Ok(None);
+        };
+        let filled = self.filled(&grid)?;
+        let mut ops = vec![ChainOp::ForwardCheck { block: 0 }];
+        ops.extend((1..chain.len()).map(|block| ChainOp::ForwardNoGrad { block }));
+        ops.push(ChainOp::Loss);
+        if !filled
+            .table
+            .rebuild_after_loss(&filled.costs, grid.capacity, &mut ops)
+        {
+            return Ok(None);
+        }
+        let predicted = chain.simulate(&ops)?;
+        let solver = ChainSolverInfo {
+            name: "rotor".to_string(),
+            mem_limit,
+            slots: self.slots,
+            slot_bytes: grid.unit,
+            seconds: start.elapsed().as_secs_f64(),
+        };
+        Ok(Some(ChainSequence {
+            ops,
+            predicted,
+            solver: Some(solver),
+        }))
+    }
+
+    /// The table of `grid`'s unit, filled by the first solve that asks.
+    fn filled(&self, grid: &Grid) -> Result<Arc<Filled>> {
+        let cell = {
+            let mut tables = self.tables.lock().expect("no solve panicked");
+            Arc::clone(tables.entry(grid.unit).or_default())
+        };
+        let capacity = grid.band_capacity(self.slots);
+        cell.get_or_init(|| Filled::new(self.chain, grid.unit, capacity).map(Arc::new))
+            .clone()
     }
 }
 

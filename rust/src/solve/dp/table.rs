@@ -448,6 +448,21 @@ impl Table {
         ops
     }
 
+    /// The op sequence of `T(m, 0, L-1)` appended to `ops`; false where it is infeasible.
+    pub(super) fn rebuild_after_loss(
+        &self,
+        costs: &Costs,
+        m: usize,
+        ops: &mut Vec<ChainOp>,
+    ) -> bool {
+        let last = costs.len - 1;
+        if self.choice[self.row(costs, 0, last).start + m] == NONE {
+            return false;
+        }
+        self.rebuild_into(costs, m, 0, last, ops);
+        true
+    }
+
     pub(super) fn rebuild_into(
         &self,
         costs: &Costs,

@@ -151,8 +151,49 @@ pub fn candidates(
             };
         }
     }
+    if let Some(composed) = after_loss(graph, sg, hierarchy, &solver, budget)? {
+        consider(Some(composed), false);
+    }
     Ok(Found {
         grid: polish_fastest(graph, sg, hierarchy, budget, grid)?,
         near: polish_fastest(graph, sg, hierarchy, budget, near)?,
     })
+}
+
+/// Tries of [`after_loss`].
+const AFTER_LOSS_TRIES: usize = 3;
+
+/// The composed schedule of [`dp::Solver::after_loss`] within `budget`, if one is found: the
+/// forward keeps nothing, so the loss peaks at the smallest budget's height, and the backward runs
+/// the DP's sequence within the budget. It is what fits just above the smallest budget, where
+/// the DP's sequences, which hold a checkpoint or a block's input at the loss, do not. Its limit
+/// starts at the budget and is lowered by what the backward went over it (the chain's model of
+/// the backward is coarser than the schedule's), a few times at most.
+fn after_loss(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    solver: &dp::Solver,
+    budget: u64,
+) -> Result<Option<Composed>> {
+    let mut limit = budget;
+    for _ in 0..AFTER_LOSS_TRIES {
+        let Some(sequence) = solver.after_loss(limit)? else {
+            return Ok(None);
+        };
+        let composed = hierarchy.compose(graph, sg, sequence.ops, sequence.predicted)?;
+        let report = composed.report();
+        if report.peak_bytes <= budget {
+            return Ok(Some(composed));
+        }
+        if report.forward_peak_bytes > budget {
+            return Ok(None);
+        }
+        let over = report.backward_peak_bytes - budget;
+        limit = match limit.checked_sub(over) {
+            Some(lower) => lower,
+            None => return Ok(None),
+        };
+    }
+    Ok(None)
 }
