@@ -83,10 +83,14 @@ def logits_squared(out) -> torch.Tensor:
     return out.logits.float().pow(2).mean()
 
 
-# Graphs with the loss outside the model, as remat plans them once its first step has measured
-# the loss: the user's loss is a forward node that holds what it measured (the loss's room), and
-# the logits it reads are released when the forward phase returns them.
-OUTSIDE = {"gpt2_6l_outside": (gpt2_wide(6), logits_squared)}
+# Graphs with the loss outside the model, as remat plans them: the user's loss is a forward node
+# holding its room. With a loss, once the first step has measured it (the logits it reads are
+# released when the forward phase returns them); with ``None``, the first plan's, before any
+# step (the room estimated, the logits held to the end of the step).
+OUTSIDE = {
+    "gpt2_6l_outside": (gpt2_wide(6), logits_squared),
+    "gpt2_6l_first": (gpt2_wide(6), None),
+}
 
 
 def save(name: str) -> tuple[Path, int]:
@@ -96,13 +100,14 @@ def save(name: str) -> tuple[Path, int]:
     model, sample = make()
     model.train()
     args = sample if isinstance(sample, tuple) else (sample,)
-    if loss is None:
+    if name not in OUTSIDE:
         g = trace(model, args, {})
         g.name = name
         text, nodes = g.to_json(), len(g.nodes)
     else:
         rm = remat.Remat(model, args, 0.9)
-        loss(rm(*args)).backward()  # measures the loss and plans again with it
+        if loss is not None:
+            loss(rm(*args)).backward()  # measures the loss and plans again with it
         graph = rm.graph
         graph["name"] = name
         text, nodes = json.dumps(graph), len(graph["nodes"])

@@ -124,43 +124,22 @@ impl<'c> Solver<'c> {
         solve_in(self.chain, mem_limit, self.slots, |grid| self.filled(grid))
     }
 
-    /// The chain run without grad to the loss, keeping nothing (`Fck(0) Fn(1) … Fn(L-1) Loss`),
-    /// then the least-time sequence from `x_0` and `δ_L` within `mem_limit` (`T(m, 0, L-1)`):
-    /// the checkpoint `x_L` of `T(m, 0, L)`, whatever the forward's memory. Near the smallest
-    /// budget the forward and the loss are the step's peak, and the chain's model of them is
-    /// coarser than the graph's (a block's input held while it runs, storages spanning several
-    /// blocks held for the whole step): the caller replays the schedule and judges its peak.
-    /// `None` where `T(m, 0, L-1)` is infeasible or a block runs only once.
-    pub fn after_loss(&self, mem_limit: u64) -> Result<Option<ChainSequence>> {
-        let start = Instant::now();
-        let chain = self.chain;
-        let grid = Grid::new(chain, mem_limit, self.slots);
-        let Some(grid) = grid.filter(|_| chain.blocks.iter().all(|b| !b.once)) else {
+    /// The least-time sequence from `x_0` and `δ_L` within `mem_limit` (`T(m, 0, L-1)`): the
+    /// backward of a step whose forward kept nothing to the loss, rotor's checkpoint of `x_L` in
+    /// `T(m, 0, L)` whatever the forward's memory. `None` where it is infeasible. Its ops may
+    /// run a [`crate::chain::Block::once`] block again (the DP's sub-chains after the loss have
+    /// none): the caller checks. Near the smallest budget the forward and the loss are the step's
+    /// peak, and the chain's model of them is coarser than the graph's (a block's input held
+    /// while it runs, storages spanning several blocks held for the whole step), so the caller
+    /// composes the whole step and replays it.
+    pub fn after_loss(&self, mem_limit: u64) -> Result<Option<Vec<ChainOp>>> {
+        let Some(grid) = Grid::new(self.chain, mem_limit, self.slots) else {
             return Ok(None);
         };
         let filled = self.filled(&grid)?;
-        let mut ops = vec![ChainOp::ForwardCheck { block: 0 }];
-        ops.extend((1..chain.len()).map(|block| ChainOp::ForwardNoGrad { block }));
-        ops.push(ChainOp::Loss);
-        if !filled
+        Ok(filled
             .table
-            .rebuild_after_loss(&filled.costs, grid.capacity, &mut ops)
-        {
-            return Ok(None);
-        }
-        let predicted = chain.simulate(&ops)?;
-        let solver = ChainSolverInfo {
-            name: "rotor".to_string(),
-            mem_limit,
-            slots: self.slots,
-            slot_bytes: grid.unit,
-            seconds: start.elapsed().as_secs_f64(),
-        };
-        Ok(Some(ChainSequence {
-            ops,
-            predicted,
-            solver: Some(solver),
-        }))
+            .rebuild_after_loss(&filled.costs, grid.capacity))
     }
 
     /// The table of `grid`'s unit, filled by the first solve that asks.

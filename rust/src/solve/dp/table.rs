@@ -448,19 +448,15 @@ impl Table {
         ops
     }
 
-    /// The op sequence of `T(m, 0, L-1)` appended to `ops`; false where it is infeasible.
-    pub(super) fn rebuild_after_loss(
-        &self,
-        costs: &Costs,
-        m: usize,
-        ops: &mut Vec<ChainOp>,
-    ) -> bool {
+    /// The op sequence of `T(m, 0, L-1)`, if feasible.
+    pub(super) fn rebuild_after_loss(&self, costs: &Costs, m: usize) -> Option<Vec<ChainOp>> {
         let last = costs.len - 1;
         if self.choice[self.row(costs, 0, last).start + m] == NONE {
-            return false;
+            return None;
         }
-        self.rebuild_into(costs, m, 0, last, ops);
-        true
+        let mut ops = Vec::new();
+        self.rebuild_into(costs, m, 0, last, &mut ops);
+        Some(ops)
     }
 
     pub(super) fn rebuild_into(

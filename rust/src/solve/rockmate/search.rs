@@ -151,40 +151,48 @@ pub fn candidates(
             };
         }
     }
-    if let Some(composed) = after_loss(graph, sg, hierarchy, &solver, budget)? {
-        consider(Some(composed), false);
-    }
+    let mut near = polish_fastest(graph, sg, hierarchy, budget, near)?;
+    near.extend(after_loss(graph, sg, hierarchy, &solver, budget)?);
     Ok(Found {
         grid: polish_fastest(graph, sg, hierarchy, budget, grid)?,
-        near: polish_fastest(graph, sg, hierarchy, budget, near)?,
+        near,
     })
 }
 
 /// Tries of [`after_loss`].
 const AFTER_LOSS_TRIES: usize = 3;
 
-/// The composed schedule of [`dp::Solver::after_loss`] within `budget`, if one is found: the
-/// forward keeps nothing, so the loss peaks at the smallest budget's height, and the backward runs
-/// the DP's sequence within the budget. It is what fits just above the smallest budget, where
-/// the DP's sequences, which hold a checkpoint or a block's input at the loss, do not. Its limit
-/// starts at the budget and is lowered by what the backward went over it (the chain's model of
-/// the backward is coarser than the schedule's), a few times at most.
+/// The schedule whose forward keeps nothing to the loss and whose backward runs the DP's sequence
+/// from the input ([`dp::Solver::after_loss`]) within `budget`, if one is found: its loss peaks at
+/// the smallest budget's height, where the DP's own sequences hold a checkpoint or a block's input.
+/// The backward's limit starts at the
+/// budget and is lowered by what the backward went over it (the chain's model of the backward is
+/// coarser than the schedule's), a few times at most.
 fn after_loss(
     graph: &Graph,
     sg: &SimpleGraph,
     hierarchy: &Hierarchy,
     solver: &dp::Solver,
     budget: u64,
-) -> Result<Option<Composed>> {
+) -> Result<Option<Schedule>> {
+    let forward: Vec<usize> = hierarchy.partition.forward.concat();
     let mut limit = budget;
     for _ in 0..AFTER_LOSS_TRIES {
-        let Some(sequence) = solver.after_loss(limit)? else {
+        let Some(ops) = solver.after_loss(limit)? else {
             return Ok(None);
         };
-        let composed = hierarchy.compose(graph, sg, sequence.ops, sequence.predicted)?;
-        let report = composed.report();
+        let Some(backward) = again(sg, hierarchy.groups_of(&ops).0) else {
+            return Ok(None);
+        };
+        let mut schedule = schedule_of_sequence(graph, sg, &forward, &backward)?;
+        let report = simulate(graph, &schedule).map_err(|e| {
+            crate::Error::Schedule(format!(
+                "internal error, please report: a composed schedule is invalid: {e}"
+            ))
+        })?;
+        schedule.predicted = Some(report);
         if report.peak_bytes <= budget {
-            return Ok(Some(composed));
+            return Ok(Some(schedule));
         }
         if report.forward_peak_bytes > budget {
             return Ok(None);
@@ -196,4 +204,23 @@ fn after_loss(
         };
     }
     Ok(None)
+}
+
+/// The groups of a backward after a forward that ran every group: those making outputs the caller
+/// holds (a [`crate::chain::Block::once`] block's, which the DP's sequences after the loss may run
+/// again) are alive and left out; `None` if another group that cannot run again is in `groups`.
+fn again(sg: &SimpleGraph, groups: Vec<usize>) -> Option<Vec<usize>> {
+    let held = |g: usize| {
+        let outputs = &sg.groups[g].outputs;
+        outputs.iter().all(|&s| sg.storages[s].hold == Hold::Step)
+    };
+    let mut out = Vec::with_capacity(groups.len());
+    for g in groups {
+        if sg.groups[g].phase == crate::graph::Phase::Backward || sg.recomputable(g) {
+            out.push(g);
+        } else if !held(g) {
+            return None;
+        }
+    }
+    Some(out)
 }
