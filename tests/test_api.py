@@ -9,7 +9,7 @@ import pytest
 import remat
 import torch
 from helpers import budget_at, call, default_loss, trace_once
-from models import cnn, gpt2, mlp
+from models import cnn, gpt2, mlp, unet
 from torch import nn
 
 
@@ -121,6 +121,25 @@ def test_a_plan_that_recomputes_more_than_a_steps_time_warns(monkeypatch: pytest
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         remat.Remat(model, sample, plain.plan.plain_peak, measure_loss=False)
+
+
+def test_a_fallback_plan_warns_where_the_solvers_own_plans_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the smallest budget of a UNet only the keep-set heuristic's plan fits; the warning names
+    the budget from which the solver's own plans were found, and a plan there is the solver's and
+    faster."""
+    trace_once(monkeypatch)
+    torch.manual_seed(0)
+    model, sample = unet()
+    smallest = remat.Remat(model, sample, 1.0, measure_loss=False).plan.min_budget
+    with pytest.warns(UserWarning, match="recomputing") as record:
+        floor = remat.Remat(model, sample, smallest, measure_loss=False)
+    assert floor.plan.schedule.solver.status == "fallback"
+    own = floor.plan.schedule.solver.own_plans_from
+    assert own is not None and own > smallest
+    assert f"the solver's own plans were found from {own} bytes" in str(record[0].message)
+    theirs = remat.Remat(model, sample, own, measure_loss=False).plan
+    assert theirs.schedule.solver.status != "fallback"
+    assert theirs.schedule.predicted.time < floor.plan.schedule.predicted.time
 
 
 def test_call_with_other_shapes_beyond_max_plans_raises() -> None:

@@ -120,9 +120,14 @@ def test_a_graph_replays_its_own_plans() -> None:
     assert report == json.loads(schedule)["predicted"] and report["peak_bytes"] <= (min_budget + plain_peak) // 2
     assert max(p["peak"] for p in json.loads(graph.memory_curve(schedule))) == report["peak_bytes"]
     assert max(p["peak"] for p in json.loads(graph.memory_curve())) == plain_peak
+    with pytest.raises(remat.InfeasibleBudget) as raised:  # Rockmate plans below keeping nothing here
+        graph.plan(1, remat.planner.DEFAULTS)
+    smallest = raised.value.min_budget
+    assert smallest < min_budget
+    assert json.loads(graph.plan(smallest, remat.planner.DEFAULTS))["predicted"]["peak_bytes"] <= smallest
     with pytest.raises(remat.InfeasibleBudget) as raised:
-        graph.plan(min_budget - 1, remat.planner.DEFAULTS)
-    assert raised.value.min_budget == min_budget
+        graph.plan(smallest - 1, remat.planner.DEFAULTS)
+    assert raised.value.min_budget == smallest
     assert _core.Graph(graph.to_json()).to_json() == graph.to_json()
 
 

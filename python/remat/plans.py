@@ -145,9 +145,11 @@ class Plan:
 
     @property
     def min_budget(self) -> int:
-        """The smallest budget any schedule of the graph keeps (a replay of the keep-nothing
-        schedule: made when asked for)."""
-        return self.planner.budget_range()[0]
+        """The smallest budget the planner accepts: the keep-nothing schedule's peak (replayed
+        when asked for), or where less, the least the solver's own schedules reached."""
+        own = None if self.schedule.solver is None else self.schedule.solver.own_plans_from
+        keep_nothing = self.planner.budget_range()[0]
+        return keep_nothing if own is None else min(keep_nothing, own)
 
     @functools.cached_property
     def input_grads(self) -> list[tuple[int, int, frozenset[int]]]:
@@ -590,12 +592,20 @@ def warn_if_slow(plan: Plan, options: Options) -> None:
         return
     target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
     where = (target - min_budget) / max(plain_peak - min_budget, 1)
-    found = (
-        f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
-        f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
-        if plan.schedule.solver is not None and plan.schedule.solver.status == "fallback"
-        else "a larger budget runs faster"
-    )
+    solver = plan.schedule.solver
+    own = None if solver is None else solver.own_plans_from
+    if solver is not None and solver.status == "fallback" and own is not None:
+        found = (
+            f"this plan is the keep-set heuristic's: the solver's own plans were found from {own} bytes, "
+            f"{own - target} more than this budget"
+        )
+    elif solver is not None and solver.status == "fallback":
+        found = (
+            f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
+            f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
+        )
+    else:
+        found = "a larger budget runs faster"
     warnings.warn(
         f"remat: the plan for {target} bytes is predicted to spend {recomputed:.3g} s per step recomputing, "
         f"{recomputed / max(plain, 1e-12):.1f}x the {plain:.3g} s of the step itself: the budget lies {where:.0%} "

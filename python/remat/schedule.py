@@ -52,6 +52,9 @@ class SolverInfo:
     status: str  # "optimal", "time_limit" or "fallback"
     seconds: float
     budget: int
+    # the least budget at which Rockmate's or rotor's own schedules were found (not the keep-set
+    # heuristic's), where they planned
+    own_plans_from: int | None = None
 
 
 @dataclass(frozen=True)

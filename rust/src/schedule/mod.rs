@@ -46,6 +46,11 @@ pub struct SolverInfo {
     pub status: SolverStatus,
     pub seconds: f64,
     pub budget: u64,
+    /// The least budget at which the hierarchical solvers' own schedules were found (the least
+    /// peak of all they composed, the bytes held beside included), where they ran: a budget from
+    /// which a plan is not the keep-set heuristic's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own_plans_from: Option<u64>,
 }
 
 /// The ops of both phases, with the simulator's replay and the solver's record.

@@ -137,45 +137,49 @@ impl PlanOptions {
 /// The schedule to run within `budget` bytes of activation memory: the fastest the grid of limits
 /// finds, or one found near the budget where that is clearly faster ([`chosen`]).
 ///
-/// Plain PyTorch's schedule when it fits; [`Error::Infeasible`] below the smallest budget
-/// ([`budget_range`]); otherwise one of the chosen solver's schedules, or the best keep-set
-/// heuristic schedule (status `fallback`). A schedule that recomputes is planned within the
+/// Plain PyTorch's schedule when it fits; otherwise one of the chosen solver's schedules, or the
+/// best keep-set heuristic schedule (status `fallback`). Below the keep-nothing schedule's peak
+/// ([`budget_range`]) only the hierarchical solvers' schedules, which may peak lower, and
+/// [`Error::Infeasible`] where none fits, naming the lesser of that peak and theirs. A schedule that recomputes is planned within the
 /// budget less the most the executor holds beside the values ([`Graph::beside_bytes`]).
 pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedule> {
     options.check()?;
     let start = Instant::now();
     let sg = simplify(graph);
     let store = simulated(graph, &sg, &baseline::store_all(&sg))?;
-    let info = |status| SolverInfo {
+    let info = |status, own_plans_from| SolverInfo {
         name: options.solver.name().into(),
         status,
         seconds: start.elapsed().as_secs_f64(),
         budget,
+        own_plans_from,
     };
     if peak(&store) <= budget {
-        return Ok(with_info(store, info(SolverStatus::Optimal)));
+        return Ok(with_info(store, info(SolverStatus::Optimal, None)));
     }
     let most = graph.beside_bytes(None);
-    let (schedule, status) = recomputing(graph, &sg, &store, budget.saturating_sub(most), options)
-        .map_err(|e| match e {
-            Error::Infeasible { min_budget, .. } => Error::Infeasible {
-                budget,
-                min_budget: (min_budget + most).min(peak(&store)),
+    let (schedule, status, own) =
+        recomputing(graph, &sg, &store, budget.saturating_sub(most), options).map_err(
+            |e| match e {
+                Error::Infeasible { min_budget, .. } => Error::Infeasible {
+                    budget,
+                    min_budget: (min_budget + most).min(peak(&store)),
+                },
+                e => e,
             },
-            e => e,
-        })?;
-    Ok(with_info(schedule, info(status)))
+        )?;
+    Ok(with_info(schedule, info(status, own.map(|b| b + most))))
 }
 
 /// The fastest schedule below plain PyTorch's peak (`store`) whose values keep `budget`, with
-/// the status of the search that found it.
+/// the status of the search that found it and the least peak of the hierarchy's schedules.
 fn recomputing(
     graph: &Graph,
     sg: &SimpleGraph,
     store: &Schedule,
     budget: u64,
     options: &PlanOptions,
-) -> Result<(Schedule, SolverStatus)> {
+) -> Result<(Schedule, SolverStatus, Option<u64>)> {
     // The hierarchy's plan (per-block ILPs, then the DP) does not need the heuristic: it runs on
     // a second thread meanwhile. `None`: no hierarchy (Checkmate's path, which does).
     let hierarchy_options = options.hierarchy();
@@ -203,15 +207,27 @@ fn recomputing(
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         (fallback, hierarchical)
     });
+    let hierarchical = hierarchical?;
+    let fallback = match fallback {
+        Ok(fallback) => fallback,
+        Err(Error::Infeasible { min_budget, .. }) => {
+            let Some(found) = hierarchical else {
+                return Err(Error::Infeasible { budget, min_budget });
+            };
+            return below_keep_nothing(found, budget, min_budget);
+        }
+        Err(e) => return Err(e),
+    };
     let Heuristic {
         recompute,
         plan: heuristic_plan,
         schedule: heuristic,
-    } = fallback?;
+    } = fallback;
     // Checkmate's schedule is the ILP's at the budget, found near it as the heuristic's is.
-    let mut found = match hierarchical? {
+    let mut found = match hierarchical {
         Some(found) => found,
         None => Found {
+            lowest: None,
             grid: Vec::new(),
             near: checkmate(graph, sg, budget, options, recompute, &heuristic_plan)?
                 .into_iter()
@@ -220,18 +236,44 @@ fn recomputing(
     };
     found.near.push((heuristic, SolverStatus::Fallback));
     let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
-    Ok(chosen(found.grid, found.near, report).expect("the heuristic's schedule fits"))
+    let lowest = found.lowest;
+    let (schedule, status) =
+        chosen(found.grid, found.near, report).expect("the heuristic's schedule fits");
+    Ok((schedule, status, lowest))
+}
+
+/// Where keeping nothing peaks above `budget` (at `min_budget`): the hierarchy's fastest
+/// schedule within it, whose schedules may peak lower; else [`Error::Infeasible`] naming the
+/// lesser of `min_budget` and the least peak of its schedules on the grid of limits, which every
+/// budget probes.
+fn below_keep_nothing(
+    found: Found,
+    budget: u64,
+    min_budget: u64,
+) -> Result<(Schedule, SolverStatus, Option<u64>)> {
+    let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
+    let lowest = found.lowest;
+    match chosen(found.grid, found.near, report) {
+        Some((schedule, status)) => Ok((schedule, status, lowest)),
+        None => Err(Error::Infeasible {
+            budget,
+            min_budget: lowest.map_or(min_budget, |l| l.min(min_budget)),
+        }),
+    }
 }
 
 /// The schedules the solvers found within the budget, each with the status of its search.
 #[derive(Default)]
 struct Found {
+    /// The least peak of the hierarchy's schedules, within the budget or not.
+    lowest: Option<u64>,
     grid: Vec<(Schedule, SolverStatus)>,
     near: Vec<(Schedule, SolverStatus)>,
 }
 
 impl Found {
     fn add(&mut self, found: rockmate::Found, status: SolverStatus) {
+        self.lowest = [self.lowest, found.lowest].into_iter().flatten().min();
         self.grid
             .extend(found.grid.into_iter().map(|s| (s, status)));
         self.near
@@ -356,9 +398,10 @@ fn fastest_keep_set(
     Ok(best)
 }
 
-/// `(min_budget, plain_peak)`: the smallest budget [`plan`] accepts and plain PyTorch's peak.
-/// The smallest is the keep-nothing schedule's peak with the most held beside the values
-/// ([`Graph::beside_bytes`]), or plain PyTorch's peak where that is lower.
+/// `(min_budget, plain_peak)`: a budget from which [`plan`] plans whatever the solver, and plain
+/// PyTorch's peak. The smallest is the keep-nothing schedule's peak with the most held beside the
+/// values ([`Graph::beside_bytes`]), or plain PyTorch's peak where that is lower; the hierarchical
+/// solvers may plan below it ([`plan`]).
 pub fn budget_range(graph: &Graph) -> Result<(u64, u64)> {
     let sg = simplify(graph);
     let store = peak(&simulated(graph, &sg, &baseline::store_all(&sg))?);

@@ -46,7 +46,7 @@ pub fn plan_blocks(
     budget: u64,
     options: &HierarchyOptions,
 ) -> Result<Option<Schedule>> {
-    let Found { grid, near } = candidates(graph, sg, hierarchy, budget, options)?;
+    let Found { grid, near, .. } = candidates(graph, sg, hierarchy, budget, options)?;
     Ok(chosen(grid, near, |s| s.predicted.expect("simulated")))
 }
 
@@ -55,6 +55,9 @@ pub fn plan_blocks(
 pub struct Found {
     /// From the grid of limits, the same at every budget.
     pub grid: Vec<Schedule>,
+    /// The least peak of the schedules composed on the grid of limits, within the budget or not:
+    /// the same at every budget.
+    pub lowest: Option<u64>,
     /// From the limits the budget decides: the budget itself, with more slots on a short chain,
     /// and the thirds between the largest fitting limit and the next.
     pub near: Vec<Schedule>,
@@ -72,12 +75,17 @@ pub fn candidates(
     let slots = options.slots;
     let (min_limit, plain_limit) = dp::limits(&hierarchy.chain, slots)?;
     let (mut grid, mut near): (Vec<Composed>, Vec<Composed>) = (Vec::new(), Vec::new());
+    let mut lowest: Option<u64> = None;
     // Whether a probe's schedule fits the budget; the distinct ones that fit are kept.
     let mut consider = |composed: Option<Composed>, on_grid: bool| -> bool {
         let Some(composed) = composed else {
             return false;
         };
-        if composed.report().peak_bytes > budget {
+        let peak = composed.report().peak_bytes;
+        if on_grid {
+            lowest = Some(lowest.map_or(peak, |l| l.min(peak)));
+        }
+        if peak > budget {
             return false;
         }
         let found = if on_grid { &mut grid } else { &mut near };
@@ -155,6 +163,7 @@ pub fn candidates(
     near.extend(after_loss(graph, sg, hierarchy, &solver, budget)?);
     Ok(Found {
         grid: polish_fastest(graph, sg, hierarchy, budget, grid)?,
+        lowest,
         near,
     })
 }
@@ -163,11 +172,11 @@ pub fn candidates(
 const AFTER_LOSS_TRIES: usize = 3;
 
 /// The schedule whose forward keeps nothing to the loss and whose backward runs the DP's sequence
-/// from the input ([`dp::Solver::after_loss`]) within `budget`, if one is found: its loss peaks at
-/// the smallest budget's height, where the DP's own sequences hold a checkpoint or a block's input.
-/// The backward's limit starts at the
-/// budget and is lowered by what the backward went over it (the chain's model of the backward is
-/// coarser than the schedule's), a few times at most.
+/// from the input ([`dp::Solver::after_loss`]) within `budget`, if one is found: its loss peaks
+/// at the smallest budget's height, where the DP's own sequences hold a checkpoint or a block's
+/// input. The backward's limit starts at the budget and
+/// is lowered by what the backward went over it (the chain's model of the backward is coarser
+/// than the schedule's), a few times at most.
 fn after_loss(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -179,10 +188,10 @@ fn after_loss(
     let mut limit = budget;
     for _ in 0..AFTER_LOSS_TRIES {
         let Some(ops) = solver.after_loss(limit)? else {
-            return Ok(None);
+            break;
         };
         let Some(backward) = again(sg, hierarchy.groups_of(&ops).0) else {
-            return Ok(None);
+            break;
         };
         let mut schedule = schedule_of_sequence(graph, sg, &forward, &backward)?;
         let report = simulate(graph, &schedule).map_err(|e| {
@@ -194,14 +203,11 @@ fn after_loss(
         if report.peak_bytes <= budget {
             return Ok(Some(schedule));
         }
-        if report.forward_peak_bytes > budget {
-            return Ok(None);
+        let over = report.backward_peak_bytes.saturating_sub(budget);
+        match limit.checked_sub(over) {
+            Some(lower) if report.forward_peak_bytes <= budget && over > 0 => limit = lower,
+            _ => break,
         }
-        let over = report.backward_peak_bytes - budget;
-        limit = match limit.checked_sub(over) {
-            Some(lower) => lower,
-            None => return Ok(None),
-        };
     }
     Ok(None)
 }
