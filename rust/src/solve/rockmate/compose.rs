@@ -40,19 +40,30 @@ impl Hierarchy {
         chain: Report,
     ) -> Result<Composed> {
         let (forward, backward) = self.groups_of(&ops);
-        let mut schedule = schedule_of_sequence(graph, sg, &forward, &backward)?;
-        let report = simulate(graph, &schedule).map_err(|e| {
-            crate::Error::Schedule(format!(
-                "internal error, please report: a composed schedule is invalid: {e}"
-            ))
-        })?;
-        schedule.predicted = Some(report);
+        let schedule = composed_schedule(graph, sg, &forward, &backward)?;
         Ok(Composed {
             ops,
             chain,
             schedule,
         })
     }
+}
+
+/// The schedule running the groups of `forward`, then those of `backward`, simulated.
+pub(super) fn composed_schedule(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    forward: &[usize],
+    backward: &[usize],
+) -> Result<Schedule> {
+    let mut schedule = schedule_of_sequence(graph, sg, forward, backward)?;
+    let report = simulate(graph, &schedule).map_err(|e| {
+        crate::Error::Schedule(format!(
+            "internal error, please report: a composed schedule is invalid: {e}"
+        ))
+    })?;
+    schedule.predicted = Some(report);
+    Ok(schedule)
 }
 /// The chain of the partition: block sizes and deltas, each block's run without grad and its
 /// class's options costed with its groups' times (its class's means, [`with_class_times`]).

@@ -193,13 +193,8 @@ fn after_loss(
         let Some(backward) = again(sg, hierarchy.groups_of(&ops).0) else {
             break;
         };
-        let mut schedule = schedule_of_sequence(graph, sg, &forward, &backward)?;
-        let report = simulate(graph, &schedule).map_err(|e| {
-            crate::Error::Schedule(format!(
-                "internal error, please report: a composed schedule is invalid: {e}"
-            ))
-        })?;
-        schedule.predicted = Some(report);
+        let schedule = composed_schedule(graph, sg, &forward, &backward)?;
+        let report = schedule.predicted.expect("simulated");
         if report.peak_bytes <= budget {
             return Ok(Some(schedule));
         }
