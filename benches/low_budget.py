@@ -4,9 +4,9 @@ Per model: plain PyTorch, the library's checkpointing (transformers' ``gradient_
 timm's ``set_grad_checkpointing``, ``torch.utils.checkpoint.checkpoint_sequential`` or ``checkpoint``
 on each layer), remat at checkpointing's measured peak and remat at its smallest budget. Each row
 gives the measured activation peak (``remat.testing.measure_step``, the loss outside the model
-included), remat's predicted peak and recomputation, and the step time as a ratio to plain
-PyTorch's and to checkpointing's, medians of steps alternated with theirs in one process (eager
-executor, random weights).
+included; GPT-2 small computes its own, ``labels=``), remat's predicted peak and recomputation,
+and the step time as a ratio to plain PyTorch's and to checkpointing's, medians of steps
+alternated with theirs in one process (eager executor, random weights).
 
     .venv/bin/python benches/low_budget.py                        # every model
     .venv/bin/python benches/low_budget.py --models gpt2_6l --steps 3
@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import remat
@@ -32,7 +32,7 @@ class Case:
     """A model, its sample call, the loss outside it, and how to switch its checkpointing on."""
 
     model: nn.Module
-    args: tuple
+    args: tuple | dict  # positional arguments, or keyword arguments
     loss: Callable[[Any], torch.Tensor]
     checkpointed: Callable[[], Callable[..., Any]]  # the runner with the library's checkpointing
     how: str
@@ -56,6 +56,16 @@ def _llama() -> Case:
     )
     model = LlamaForCausalLM(config).train()
     return _hf(model, torch.randint(8192, (4, 256)), "gradient_checkpointing_enable, every layer")
+
+
+def _gpt2_small() -> Case:
+    """GPT-2 small (124M) with its loss inside (``labels=``), 2 x 512 tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(use_cache=False)).train()
+    ids = torch.randint(50257, (2, 512))
+    case = _hf(model, ids, "gradient_checkpointing_enable, every layer")
+    return replace(case, args={"input_ids": ids, "labels": ids}, loss=lambda out: out.loss)
 
 
 def _hf(model: nn.Module, ids: torch.Tensor, how: str) -> Case:
@@ -125,6 +135,7 @@ def _encoder() -> Case:
 MODELS: dict[str, Callable[[], Case]] = {
     "gpt2_6l": lambda: _gpt2(6),
     "gpt2_12l": lambda: _gpt2(12),
+    "gpt2_small": _gpt2_small,
     "llama": _llama,
     "mamba": _mamba,
     "convnext": _convnext,
@@ -139,7 +150,8 @@ def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -
         if checkpointing:
             case.switch(True)
         try:
-            case.loss(runner(*case.args)).backward()
+            out = runner(**case.args) if isinstance(case.args, dict) else runner(*case.args)
+            case.loss(out).backward()
         finally:
             if checkpointing:
                 case.switch(False)
@@ -149,7 +161,8 @@ def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -
 
 def _peak(step: Callable[[], None], case: Case) -> int:
     step()  # remat measures the loss and plans again on its first step
-    return remat.testing.measure_step(step, [*case.model.parameters(), *case.model.buffers(), *case.args]).peak_bytes
+    inputs = case.args.values() if isinstance(case.args, dict) else case.args
+    return remat.testing.measure_step(step, [*case.model.parameters(), *case.model.buffers(), *inputs]).peak_bytes
 
 
 def _timed(step: Callable[[], None]) -> float:

@@ -140,8 +140,9 @@ impl PlanOptions {
 /// Plain PyTorch's schedule when it fits; otherwise one of the chosen solver's schedules, or the
 /// best keep-set heuristic schedule (status `fallback`). Below the keep-nothing schedule's peak
 /// ([`budget_range`]) only the hierarchical solvers' schedules, which may peak lower, and
-/// [`Error::Infeasible`] where none fits, naming the lesser of that peak and theirs. A schedule that recomputes is planned within the
-/// budget less the most the executor holds beside the values ([`Graph::beside_bytes`]).
+/// [`Error::Infeasible`] where none fits, naming the lesser of that peak and theirs. A schedule
+/// that recomputes is planned within the budget less the most the executor holds beside the
+/// values ([`Graph::beside_bytes`]).
 pub fn plan(graph: &Graph, budget: u64, options: &PlanOptions) -> Result<Schedule> {
     options.check()?;
     let start = Instant::now();

@@ -174,9 +174,9 @@ const AFTER_LOSS_TRIES: usize = 3;
 /// The schedule whose forward keeps nothing to the loss and whose backward runs the DP's sequence
 /// from the input ([`dp::Solver::after_loss`]) within `budget`, if one is found: its loss peaks
 /// at the smallest budget's height, where the DP's own sequences hold a checkpoint or a block's
-/// input. The backward's limit starts at the budget and
-/// is lowered by what the backward went over it (the chain's model of the backward is coarser
-/// than the schedule's), a few times at most.
+/// input. The backward's limit starts at the budget and is lowered by what the backward went
+/// over it (the chain's model of the backward is coarser than the schedule's), a few times at
+/// most.
 fn after_loss(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -190,9 +190,7 @@ fn after_loss(
         let Some(ops) = solver.after_loss(limit)? else {
             break;
         };
-        let Some(backward) = again(sg, hierarchy.groups_of(&ops).0) else {
-            break;
-        };
+        let backward = again(sg, hierarchy.groups_of(&ops).0);
         let schedule = composed_schedule(graph, sg, &forward, &backward)?;
         let report = schedule.predicted.expect("simulated");
         if report.peak_bytes <= budget {
@@ -207,21 +205,14 @@ fn after_loss(
     Ok(None)
 }
 
-/// The groups of a backward after a forward that ran every group: those making outputs the caller
-/// holds (a [`crate::chain::Block::once`] block's, which the DP's sequences after the loss may run
-/// again) are alive and left out; `None` if another group that cannot run again is in `groups`.
-fn again(sg: &SimpleGraph, groups: Vec<usize>) -> Option<Vec<usize>> {
-    let held = |g: usize| {
-        let outputs = &sg.groups[g].outputs;
-        outputs.iter().all(|&s| sg.storages[s].hold == Hold::Step)
-    };
-    let mut out = Vec::with_capacity(groups.len());
-    for g in groups {
-        if sg.groups[g].phase == crate::graph::Phase::Backward || sg.recomputable(g) {
-            out.push(g);
-        } else if !held(g) {
-            return None;
-        }
-    }
-    Some(out)
+/// The groups of a backward after a forward that ran every group, less the forward groups that
+/// cannot run again (a [`crate::chain::Block::once`] block's, making outputs the caller holds, which
+/// the DP's sequences after the loss may run again): what they made stays alive from the forward
+/// while the backward reads it.
+fn again(sg: &SimpleGraph, groups: Vec<usize>) -> Vec<usize> {
+    let forward = |g: usize| sg.groups[g].phase == crate::graph::Phase::Forward;
+    groups
+        .into_iter()
+        .filter(|&g| !forward(g) || sg.recomputable(g))
+        .collect()
 }
