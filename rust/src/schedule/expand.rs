@@ -10,15 +10,45 @@ use crate::error::{Error, Result};
 use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::graph::{Graph, Phase, ValueKind};
 use crate::schedule::{Op, Schedule};
-use std::collections::HashMap;
 
 /// What one stage runs and keeps.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stage {
     /// Groups computed in this stage, ascending; the last one is the stage's own group.
     pub compute: Vec<usize>,
-    /// Per storage: alive into the next stage.
-    pub keep: Vec<bool>,
+    /// The storages alive into the next stage.
+    pub keep: StorageSet,
+}
+
+/// A set of storages, a bit each: a plan holds one per stage, so on deep graphs (thousands of
+/// groups and storages) it is an eighth of a `Vec<bool>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageSet {
+    words: Vec<u64>,
+}
+
+impl StorageSet {
+    /// The empty set over `len` storages.
+    pub fn new(len: usize) -> StorageSet {
+        StorageSet {
+            words: vec![0; len.div_ceil(64)],
+        }
+    }
+
+    /// The storages `0..len` for which `member` holds.
+    pub fn from_fn(len: usize, member: impl Fn(usize) -> bool) -> StorageSet {
+        let mut set = StorageSet::new(len);
+        (0..len).filter(|&s| member(s)).for_each(|s| set.insert(s));
+        set
+    }
+
+    pub fn insert(&mut self, s: usize) {
+        self.words[s / 64] |= 1 << (s % 64);
+    }
+
+    pub fn contains(&self, s: usize) -> bool {
+        self.words[s / 64] >> (s % 64) & 1 == 1
+    }
 }
 
 /// One stage per group.
@@ -132,12 +162,21 @@ pub fn free_at_last_use(graph: &Graph, schedule: &Schedule, prune: bool) -> Sche
     Schedule::new(forward, backward)
 }
 
+/// No group of the running stage reads the storage.
+const UNREAD: usize = usize::MAX;
+
 struct Emitter<'a> {
     graph: &'a Graph,
     sg: &'a SimpleGraph,
     phase: Phase,
     alive: Vec<bool>,
     live_storage: Vec<bool>,
+    /// The live storages, in no order, and where each is in it: stages free among these, not
+    /// among every storage.
+    live: Vec<usize>,
+    position: Vec<usize>,
+    /// Per storage, the position in the running stage of its last reader ([`UNREAD`] if none).
+    last_read: Vec<usize>,
     ops: Vec<Op>,
     forward: Vec<Op>,
 }
@@ -154,6 +193,9 @@ impl<'a> Emitter<'a> {
                 .map(|v| v.kind.is_graph_input())
                 .collect(),
             live_storage: vec![false; sg.storages.len()],
+            live: Vec::new(),
+            position: vec![0; sg.storages.len()],
+            last_read: vec![UNREAD; sg.storages.len()],
             ops: Vec::new(),
             forward: Vec::new(),
         }
@@ -161,23 +203,29 @@ impl<'a> Emitter<'a> {
 
     fn run_stage(&mut self, stage: &Stage) -> Result<()> {
         let sg = self.sg;
-        let all: Vec<usize> = (0..sg.storages.len()).collect();
         // Per storage the stage reads: the position of its last reader in the stage.
-        let mut last_read: HashMap<usize, usize> = HashMap::new();
+        let mut last_read = std::mem::take(&mut self.last_read);
         for (k, &g) in stage.compute.iter().enumerate() {
-            sg.groups[g].inputs.iter().for_each(|&s| {
-                last_read.insert(s, k);
-            });
+            sg.groups[g].inputs.iter().for_each(|&s| last_read[s] = k);
         }
-        self.free_where(stage, &all, |s| !last_read.contains_key(&s));
+        let live = self.live.clone();
+        self.free_where(stage, &live, |s| last_read[s] == UNREAD);
         for (k, &g) in stage.compute.iter().enumerate() {
             self.compute_group(g)?;
             let group = &sg.groups[g];
             let touched: Vec<usize> = group.inputs.iter().chain(&group.outputs).copied().collect();
-            let done = |s: usize| last_read.get(&s).is_none_or(|&last| last <= k);
+            let done = |s: usize| last_read[s] == UNREAD || last_read[s] <= k;
             self.free_where(stage, &touched, done);
         }
-        self.free_where(stage, &all, |_| true);
+        let live = self.live.clone();
+        self.free_where(stage, &live, |_| true);
+        for &g in &stage.compute {
+            sg.groups[g]
+                .inputs
+                .iter()
+                .for_each(|&s| last_read[s] = UNREAD);
+        }
+        self.last_read = last_read;
         Ok(())
     }
 
@@ -185,7 +233,7 @@ impl<'a> Emitter<'a> {
     /// satisfies `done`.
     fn free_where(&mut self, stage: &Stage, candidates: &[usize], done: impl Fn(usize) -> bool) {
         for &s in candidates {
-            if self.live_storage[s] && !stage.keep[s] && !self.held(s) && done(s) {
+            if self.live_storage[s] && !stage.keep.contains(s) && !self.held(s) && done(s) {
                 self.free_storage(s);
             }
         }
@@ -208,7 +256,26 @@ impl<'a> Emitter<'a> {
                 self.ops.push(Op::Free { value: v });
             }
         }
-        self.live_storage[s] = false;
+        self.set_dead(s);
+    }
+
+    fn set_live(&mut self, s: usize) {
+        if !self.live_storage[s] {
+            self.live_storage[s] = true;
+            self.position[s] = self.live.len();
+            self.live.push(s);
+        }
+    }
+
+    fn set_dead(&mut self, s: usize) {
+        if self.live_storage[s] {
+            self.live_storage[s] = false;
+            let at = self.position[s];
+            self.live.swap_remove(at);
+            if let Some(&moved) = self.live.get(at) {
+                self.position[moved] = at;
+            }
+        }
     }
 
     /// Runs `g`, dropping its outputs first if they are alive.
@@ -245,7 +312,7 @@ impl<'a> Emitter<'a> {
             self.emit_compute(real);
         }
         for &s in &self.sg.groups[g].outputs {
-            self.live_storage[s] = true;
+            self.set_live(s);
         }
         Ok(())
     }
@@ -318,7 +385,7 @@ impl<'a> Emitter<'a> {
                 }
                 self.alive[v] = false;
             }
-            self.live_storage[s] = false;
+            self.set_dead(s);
         }
     }
 

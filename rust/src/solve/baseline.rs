@@ -3,7 +3,7 @@
 
 use crate::graph::recompute::{Recompute, StageRuns};
 use crate::graph::simplify::{Hold, SimpleGraph};
-use crate::schedule::expand::{Stage, StagePlan};
+use crate::schedule::expand::{Stage, StagePlan, StorageSet};
 
 /// Plain PyTorch: each group runs once; each storage is freed after its last user.
 pub fn store_all(sg: &SimpleGraph) -> StagePlan {
@@ -11,12 +11,13 @@ pub fn store_all(sg: &SimpleGraph) -> StagePlan {
         let used_later = sg.storages[s].users.last().is_some_and(|&u| u > t);
         sg.forced_alive(s, t + 1).unwrap_or(used_later)
     };
-    let stages = (0..sg.groups.len())
+    let mut stages: Vec<Stage> = (0..sg.groups.len())
         .map(|t| Stage {
             compute: vec![t],
-            keep: (0..sg.storages.len()).map(|s| alive_after(t, s)).collect(),
+            keep: StorageSet::new(sg.storages.len()),
         })
         .collect();
+    keep_while(sg, &mut stages, alive_after);
     StagePlan { stages }
 }
 
@@ -42,13 +43,26 @@ pub fn keep_set(sg: &SimpleGraph, keep: &[bool], stage_runs: &StageRuns) -> Stag
         let held = held_group[sg.storages[s].producer] && t <= stage_runs.last_use[s];
         stage_runs.forced_alive(sg, s, t).unwrap_or(held)
     };
-    let stages = (0..sg.groups.len())
+    let mut seen = vec![false; sg.groups.len()];
+    let mut stages: Vec<Stage> = (0..sg.groups.len())
         .map(|t| Stage {
-            compute: ancestors_to_run(sg, t, |s| entering(t, s)),
-            keep: (0..sg.storages.len()).map(|s| entering(t + 1, s)).collect(),
+            compute: ancestors_to_run(sg, t, |s| entering(t, s), &mut seen),
+            keep: StorageSet::new(sg.storages.len()),
         })
         .collect();
+    keep_while(sg, &mut stages, |t, s| entering(t + 1, s));
     StagePlan { stages }
+}
+
+/// Keeps each storage from its producer's stage into the next stages while `kept(t, s)`: in
+/// these plans the stages keeping a storage are one run starting at its producer's (a storage
+/// is alive from its production to its last use, pinned end or the end of its phase), so each
+/// storage costs the stages that keep it, not every stage.
+fn keep_while(sg: &SimpleGraph, stages: &mut [Stage], kept: impl Fn(usize, usize) -> bool) {
+    for (s, storage) in sg.storages.iter().enumerate() {
+        let run = (storage.producer..stages.len()).take_while(|&t| kept(t, s));
+        run.for_each(|t| stages[t].keep.insert(s));
+    }
 }
 
 /// Recomputable storages, cheapest to drop first: most bytes per second of recomputing them.
@@ -67,16 +81,27 @@ pub fn drop_order(sg: &SimpleGraph) -> Vec<usize> {
     order
 }
 
-/// `t` and every group it transitively needs whose storage is not `alive`, ascending.
-fn ancestors_to_run(sg: &SimpleGraph, t: usize, alive: impl Fn(usize) -> bool) -> Vec<usize> {
-    let mut run = vec![false; sg.groups.len()];
+/// `t` and every group it transitively needs whose storage is not `alive`, ascending. `seen`,
+/// one entry per group, all false, is left so.
+fn ancestors_to_run(
+    sg: &SimpleGraph,
+    t: usize,
+    alive: impl Fn(usize) -> bool,
+    seen: &mut [bool],
+) -> Vec<usize> {
+    let mut run = vec![t];
+    seen[t] = true;
     let mut todo = vec![t];
     while let Some(g) = todo.pop() {
-        if std::mem::replace(&mut run[g], true) {
-            continue;
+        for &s in &sg.groups[g].inputs {
+            let producer = sg.storages[s].producer;
+            if !alive(s) && !std::mem::replace(&mut seen[producer], true) {
+                run.push(producer);
+                todo.push(producer);
+            }
         }
-        let missing = sg.groups[g].inputs.iter().filter(|&&s| !alive(s));
-        todo.extend(missing.map(|&s| sg.storages[s].producer));
     }
-    (0..=t).filter(|&g| run[g]).collect()
+    run.iter().for_each(|&g| seen[g] = false);
+    run.sort_unstable();
+    run
 }

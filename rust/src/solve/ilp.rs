@@ -13,7 +13,7 @@
 use crate::error::{Error, Result};
 use crate::graph::recompute::{Recompute, StageRuns};
 use crate::graph::simplify::{Hold, SimpleGraph};
-use crate::schedule::expand::{Stage, StagePlan};
+use crate::schedule::expand::{Stage, StagePlan, StorageSet};
 use crate::schedule::SolverStatus;
 use good_lp::solvers::highs::highs;
 use good_lp::{
@@ -295,7 +295,7 @@ impl<'a> Model<'a> {
     /// The value of every variable under `plan` (FREE as large as its bounds allow).
     fn values_of(&self, plan: &StagePlan) -> HashMap<Variable, f64> {
         let runs = |t: usize, i: usize| plan.stages[t].compute.contains(&i);
-        let kept_into = |t: usize, s: usize| t > 0 && plan.stages[t - 1].keep[s];
+        let kept_into = |t: usize, s: usize| t > 0 && plan.stages[t - 1].keep.contains(s);
         let mut values = HashMap::new();
         for (t, row) in self.r.iter().enumerate() {
             for (i, bit) in row.iter().enumerate() {
@@ -424,7 +424,7 @@ fn extract(r: &[Vec<Bit>], s: &[Vec<Bit>], solution: &impl Solution) -> StagePla
         .enumerate()
         .map(|(t, row)| Stage {
             compute: (0..=t).filter(|&i| row[i].value(solution)).collect(),
-            keep: s[t + 1].iter().map(|b| b.value(solution)).collect(),
+            keep: StorageSet::from_fn(s[t + 1].len(), |st| s[t + 1][st].value(solution)),
         })
         .collect();
     StagePlan { stages }

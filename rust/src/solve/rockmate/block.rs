@@ -14,7 +14,7 @@ use crate::graph::{Graph, Phase};
 use crate::schedule::expand::StagePlan;
 use crate::schedule::SolverStatus;
 use crate::solve::baseline;
-use crate::solve::ilp;
+use crate::solve::ilp::{self, IlpSolution};
 use crate::solve::rockmate::partition::Partition;
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -467,52 +467,88 @@ pub fn store_all_option(sub: &SimpleGraph) -> OptionPlan {
     option_of(sub, &baseline::store_all(sub))
 }
 
-/// Rockmate's options: the keep-set family (drop the cheapest storages to recompute first) and
-/// per-block ILPs at several memory levels, reduced to a Pareto set over (time, saved bytes,
-/// forward peak, backward peak). An ILP that finds no solution in its limits leaves the status
-/// [`SolverStatus::TimeLimit`]; one that fails is the error.
-pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Result<Options> {
-    let times: Vec<f64> = sub.groups.iter().map(|g| g.time).collect();
-    let mut plans = vec![store_all_option(sub)];
-    let mut costs = vec![cost(sub, &plans[0], &times)];
-    let order = baseline::drop_order(sub);
-    let mut keep = vec![false; sub.storages.len()];
-    order.iter().for_each(|&s| keep[s] = true);
-    let runs = sub.stage_runs(Recompute::Lazy);
-    let mut stage_plans = vec![baseline::keep_set(sub, &keep, &runs)];
-    for &s in &order {
-        keep[s] = false;
-        stage_plans.push(baseline::keep_set(sub, &keep, &runs));
-    }
-    let family: Vec<OptionPlan> = stage_plans.iter().map(|p| option_of(sub, p)).collect();
-    let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();
-    let mut status = SolverStatus::Optimal;
-    if sub.first_backward < sub.groups.len() {
-        let requests = ilp_requests(&family_costs, search);
-        let solve = |&(budget, saved_limit): &(u64, Option<u64>)| {
-            let fits = |c: &SequenceCost| {
-                c.forward_peak.max(c.backward_peak) <= budget
-                    && saved_limit.is_none_or(|l| c.end_forward <= l)
-            };
-            let warm = (0..family.len())
-                .filter(|&i| fits(&family_costs[i]))
-                .min_by(|&a, &b| {
-                    let t = |c: &SequenceCost| c.forward_time + c.backward_time;
-                    t(&family_costs[a]).total_cmp(&t(&family_costs[b]))
-                })
-                .map(|i| &stage_plans[i]);
-            let options = ilp::SolveOptions {
-                time_limit: search.ilp_time_limit,
-                mip_gap: search.mip_gap,
-                recompute: Recompute::Lazy,
-                saved_limit,
-                max_nodes: Some(search.ilp_max_nodes),
-            };
-            ilp::solve(sub, budget, options, warm)
+/// A block's option search (Rockmate's options): the keep-set family (drop the cheapest storages
+/// to recompute first) and per-block ILPs at several memory levels ([`Search::requests`]), reduced
+/// to a Pareto set over (time, saved bytes, forward peak, backward peak). The ILPs are the
+/// caller's to run ([`Search::solve`]), so that those of every class share the cores.
+pub struct Search<'a> {
+    sub: &'a SimpleGraph,
+    search: OptionSearch,
+    /// The ILPs' `(peak budget, saved limit)`.
+    pub requests: Vec<(u64, Option<u64>)>,
+    family: Vec<OptionPlan>,
+    family_costs: Vec<SequenceCost>,
+    stage_plans: Vec<StagePlan>,
+}
+
+impl<'a> Search<'a> {
+    pub fn new(sub: &'a SimpleGraph, search: &OptionSearch) -> Search<'a> {
+        let times = group_times(sub);
+        let order = baseline::drop_order(sub);
+        let mut keep = vec![false; sub.storages.len()];
+        order.iter().for_each(|&s| keep[s] = true);
+        let runs = sub.stage_runs(Recompute::Lazy);
+        let mut stage_plans = vec![baseline::keep_set(sub, &keep, &runs)];
+        for &s in &order {
+            keep[s] = false;
+            stage_plans.push(baseline::keep_set(sub, &keep, &runs));
+        }
+        let family: Vec<OptionPlan> = stage_plans.iter().map(|p| option_of(sub, p)).collect();
+        let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();
+        let requests = if sub.first_backward < sub.groups.len() {
+            ilp_requests(&family_costs, search)
+        } else {
+            Vec::new()
         };
-        for solved in crate::parallel::map(&requests, solve) {
-            match solved {
-                Ok(Some(solution)) => {
+        Search {
+            sub,
+            search: *search,
+            requests,
+            family,
+            family_costs,
+            stage_plans,
+        }
+    }
+
+    /// The ILP of one of [`Search::requests`], warm-started with the fastest of the family
+    /// within it.
+    pub fn solve(
+        &self,
+        &(budget, saved_limit): &(u64, Option<u64>),
+    ) -> Result<Option<IlpSolution>> {
+        let fits = |c: &SequenceCost| {
+            c.forward_peak.max(c.backward_peak) <= budget
+                && saved_limit.is_none_or(|l| c.end_forward <= l)
+        };
+        let warm = (0..self.family.len())
+            .filter(|&i| fits(&self.family_costs[i]))
+            .min_by(|&a, &b| {
+                let t = |c: &SequenceCost| c.forward_time + c.backward_time;
+                t(&self.family_costs[a]).total_cmp(&t(&self.family_costs[b]))
+            })
+            .map(|i| &self.stage_plans[i]);
+        let options = ilp::SolveOptions {
+            time_limit: self.search.ilp_time_limit,
+            mip_gap: self.search.mip_gap,
+            recompute: Recompute::Lazy,
+            saved_limit,
+            max_nodes: Some(self.search.ilp_max_nodes),
+        };
+        ilp::solve(self.sub, budget, options, warm)
+    }
+
+    /// The options, from the solutions of [`Search::requests`] in order. An ILP that found no
+    /// solution in its limits leaves the status [`SolverStatus::TimeLimit`]; one that failed is
+    /// the error.
+    pub fn finish(self, solved: Vec<Result<Option<IlpSolution>>>) -> Result<Options> {
+        let sub = self.sub;
+        let times = group_times(sub);
+        let mut plans = vec![store_all_option(sub)];
+        let mut costs = vec![cost(sub, &plans[0], &times)];
+        let mut status = SolverStatus::Optimal;
+        for solved in solved {
+            match solved? {
+                Some(solution) => {
                     if solution.status != SolverStatus::Optimal {
                         status = SolverStatus::TimeLimit;
                     }
@@ -520,17 +556,20 @@ pub fn search_options(sub: &SimpleGraph, search: &OptionSearch) -> Result<Option
                     costs.push(cost(sub, &plan, &times));
                     plans.push(plan);
                 }
-                Ok(None) => status = SolverStatus::TimeLimit,
-                Err(e) => return Err(e),
+                None => status = SolverStatus::TimeLimit,
             }
         }
+        plans.extend(self.family);
+        costs.extend(self.family_costs);
+        Ok(Options {
+            plans: pareto(plans, &costs, self.search.max_options.max(1)),
+            status,
+        })
     }
-    plans.extend(family);
-    costs.extend(family_costs);
-    Ok(Options {
-        plans: pareto(plans, &costs, search.max_options.max(1)),
-        status,
-    })
+}
+
+fn group_times(sub: &SimpleGraph) -> Vec<f64> {
+    sub.groups.iter().map(|g| g.time).collect()
 }
 
 /// `(peak budget, saved limit)` of each per-block ILP: `saved_levels` limits on the bytes the

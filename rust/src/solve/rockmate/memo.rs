@@ -6,7 +6,6 @@
 //! is a function of the block.
 
 use super::block::{OptionSearch, Options};
-use crate::error::Result;
 use crate::graph::simplify::SimpleGraph;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{LazyLock, Mutex};
@@ -23,18 +22,14 @@ struct Memo {
 
 static MEMO: LazyLock<Mutex<Memo>> = LazyLock::new(Mutex::default);
 
-/// The options of `sub` under `search`: remembered, or found by `search_options` and remembered.
-pub fn searched(
-    sub: &SimpleGraph,
-    search: &OptionSearch,
-    search_options: impl FnOnce() -> Result<Options>,
-) -> Result<Options> {
-    // `{:?}` writes every field, and each time as the shortest decimal that reads back exactly.
-    let key = format!("{search:?}{sub:?}");
-    if let Some(found) = lock().found.get(&key) {
-        return Ok(found.clone());
-    }
-    let found = search_options()?;
+/// The options of `sub` under `search` found before in this process, if any.
+pub fn remembered(sub: &SimpleGraph, search: &OptionSearch) -> Option<Options> {
+    lock().found.get(&key(sub, search)).cloned()
+}
+
+/// Remembers `found`, the options of `sub` under `search`.
+pub fn remember(sub: &SimpleGraph, search: &OptionSearch, found: &Options) {
+    let key = key(sub, search);
     let mut memo = lock();
     if memo.found.insert(key.clone(), found.clone()).is_none() {
         memo.order.push_back(key);
@@ -43,7 +38,11 @@ pub fn searched(
             memo.found.remove(&oldest);
         }
     }
-    Ok(found)
+}
+
+/// `{:?}` writes every field, and each time as the shortest decimal that reads back exactly.
+fn key(sub: &SimpleGraph, search: &OptionSearch) -> String {
+    format!("{search:?}{sub:?}")
 }
 
 fn lock() -> std::sync::MutexGuard<'static, Memo> {

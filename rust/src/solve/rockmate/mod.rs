@@ -234,32 +234,66 @@ fn with_class_times(blocks: &mut [SubProblem], class_of: &[usize], classes: usiz
     }
 }
 
-/// The options of each class, from its representative block (or `searched`, by key): the
-/// classes' searches (per-block ILPs) run on as many threads as the machine has cores.
+/// The options of each class, from its representative block (or `searched`, by key, or the
+/// process's memo). The per-block ILPs of every class searched run together on as many threads
+/// as the machine has cores, the largest blocks' first: a deep model's one class of layers has
+/// as many ILPs as its one-off blocks together, and each class searched on a thread of its own
+/// left the layers' ILPs on one core.
 fn search_classes(
     blocks: &[SubProblem],
     representatives: &[usize],
     options: &HierarchyOptions,
     searched: &HashMap<&str, &block::Options>,
 ) -> Result<Vec<block::Options>> {
-    let search = |b: usize| -> Result<block::Options> {
-        let sub = &blocks[b].sg;
-        if let Some(&found) = searched.get(blocks[b].key.as_str()) {
-            Ok(found.clone())
-        } else if options.rotor {
-            Ok(block::Options {
-                plans: vec![block::store_all_option(sub)],
-                status: SolverStatus::Optimal,
-            })
-        } else {
-            memo::searched(sub, &options.search, || {
-                block::search_options(sub, &options.search)
-            })
+    let mut found: Vec<Option<block::Options>> = representatives
+        .iter()
+        .map(|&b| {
+            let sub = &blocks[b].sg;
+            if let Some(&found) = searched.get(blocks[b].key.as_str()) {
+                Some(found.clone())
+            } else if options.rotor {
+                Some(block::Options {
+                    plans: vec![block::store_all_option(sub)],
+                    status: SolverStatus::Optimal,
+                })
+            } else {
+                memo::remembered(sub, &options.search)
+            }
+        })
+        .collect();
+    let pending: Vec<usize> = (0..found.len()).filter(|&c| found[c].is_none()).collect();
+    let searches = crate::parallel::map(&pending, |&c| {
+        block::Search::new(&blocks[representatives[c]].sg, &options.search)
+    });
+    let mut jobs: Vec<(usize, usize)> = searches
+        .iter()
+        .enumerate()
+        .flat_map(|(i, search)| (0..search.requests.len()).map(move |r| (i, r)))
+        .collect();
+    let groups = |&(i, _): &(usize, usize)| blocks[representatives[pending[i]]].sg.groups.len();
+    jobs.sort_by_key(|job| std::cmp::Reverse(groups(job)));
+    let mut solved =
+        crate::parallel::map(&jobs, |&(i, r)| searches[i].solve(&searches[i].requests[r]))
+            .into_iter()
+            .zip(&jobs)
+            .map(|(solution, &(i, r))| (i, r, solution))
+            .collect::<Vec<_>>();
+    solved.sort_by_key(|&(i, r, _)| (i, r));
+    let mut solved = solved.into_iter().peekable();
+    for (i, search) in searches.into_iter().enumerate() {
+        let mut mine = Vec::new();
+        while let Some((_, _, solution)) = solved.next_if(|&(j, _, _)| j == i) {
+            mine.push(solution);
         }
-    };
-    crate::parallel::map(representatives, |&b| search(b))
+        let sub = &blocks[representatives[pending[i]]].sg;
+        let options_found = search.finish(mine)?;
+        memo::remember(sub, &options.search, &options_found);
+        found[pending[i]] = Some(options_found);
+    }
+    Ok(found
         .into_iter()
-        .collect()
+        .map(|f| f.expect("every class searched"))
+        .collect())
 }
 
 /// Each option plan with each of its refills (`refill`) or none.
