@@ -593,19 +593,19 @@ def warn_if_slow(plan: Plan, options: Options) -> None:
     target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
     where = (target - min_budget) / max(plain_peak - min_budget, 1)
     solver = plan.schedule.solver
-    own = None if solver is None else solver.own_plans_from
-    if solver is not None and solver.status == "fallback" and own is not None:
+    if solver is None or solver.status != "fallback":
+        found = "a larger budget runs faster"
+    elif solver.own_plans_from is not None:
+        own = solver.own_plans_from
         found = (
             f"this plan is the keep-set heuristic's: the solver's own plans were found from {own} bytes, "
             f"{own - target} more than this budget"
         )
-    elif solver is not None and solver.status == "fallback":
+    else:
         found = (
             f"this plan is the keep-set heuristic's, as the solver found none faster within time_limit="
             f"{options.time_limit} s; a larger time_limit or budget may find a faster one"
         )
-    else:
-        found = "a larger budget runs faster"
     warnings.warn(
         f"remat: the plan for {target} bytes is predicted to spend {recomputed:.3g} s per step recomputing, "
         f"{recomputed / max(plain, 1e-12):.1f}x the {plain:.3g} s of the step itself: the budget lies {where:.0%} "

@@ -27,6 +27,18 @@ pub fn simulate(graph: &Graph, schedule: &Schedule) -> Result<Report> {
     replay(graph, schedule, None)
 }
 
+/// `schedule` with its replay's report: a schedule a solver made that does not replay is a bug of
+/// ours, reported as such.
+pub fn simulated(graph: &Graph, mut schedule: Schedule) -> Result<Schedule> {
+    let report = simulate(graph, &schedule).map_err(|e| {
+        Error::Schedule(format!(
+            "internal error, please report: a planned schedule is invalid: {e}"
+        ))
+    })?;
+    schedule.predicted = Some(report);
+    Ok(schedule)
+}
+
 /// The memory of `schedule` op by op, forward then backward, as [`simulate`] replays it.
 pub fn memory_curve(graph: &Graph, schedule: &Schedule) -> Result<Vec<Point>> {
     let mut points = Vec::with_capacity(schedule.forward.len() + schedule.backward.len());

@@ -5,7 +5,6 @@ use crate::graph::recompute::{Recompute, StageRuns};
 use crate::graph::simplify::{simplify, SimpleGraph};
 use crate::graph::Graph;
 use crate::schedule::expand::{schedule_of, StagePlan};
-use crate::schedule::simulate::simulate;
 use crate::schedule::{chosen, Schedule, SolverInfo, SolverStatus};
 use crate::solve::baseline;
 use crate::solve::ilp;
@@ -236,10 +235,8 @@ fn recomputing(
         },
     };
     found.near.push((heuristic, SolverStatus::Fallback));
-    let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
     let lowest = found.lowest;
-    let (schedule, status) =
-        chosen(found.grid, found.near, report).expect("the heuristic's schedule fits");
+    let (schedule, status) = found.chosen().expect("the heuristic's schedule fits");
     Ok((schedule, status, lowest))
 }
 
@@ -252,9 +249,8 @@ fn below_keep_nothing(
     budget: u64,
     min_budget: u64,
 ) -> Result<(Schedule, SolverStatus, Option<u64>)> {
-    let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
     let lowest = found.lowest;
-    match chosen(found.grid, found.near, report) {
+    match found.chosen() {
         Some((schedule, status)) => Ok((schedule, status, lowest)),
         None => Err(Error::Infeasible {
             budget,
@@ -279,6 +275,12 @@ impl Found {
             .extend(found.grid.into_iter().map(|s| (s, status)));
         self.near
             .extend(found.near.into_iter().map(|s| (s, status)));
+    }
+
+    /// The schedule [`chosen`] among those found, with its search's status.
+    fn chosen(self) -> Option<(Schedule, SolverStatus)> {
+        let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
+        chosen(self.grid, self.near, report)
     }
 }
 
@@ -422,16 +424,9 @@ pub fn min_memory(graph: &Graph) -> Result<Schedule> {
     simulated(graph, &sg, &baseline::min_memory(&sg))
 }
 
-/// Expands `plan` and replays it; a failure here is a bug of ours, reported as such.
+/// Expands `plan` and replays it.
 fn simulated(graph: &Graph, sg: &SimpleGraph, plan: &StagePlan) -> Result<Schedule> {
-    let mut schedule = schedule_of(graph, sg, plan)?;
-    let report = simulate(graph, &schedule).map_err(|e| {
-        Error::Schedule(format!(
-            "internal error, please report: a planned schedule is invalid: {e}"
-        ))
-    })?;
-    schedule.predicted = Some(report);
-    Ok(schedule)
+    crate::schedule::simulate::simulated(graph, schedule_of(graph, sg, plan)?)
 }
 
 fn peak(schedule: &Schedule) -> u64 {

@@ -56,15 +56,9 @@ pub(super) fn composed_schedule(
     forward: &[usize],
     backward: &[usize],
 ) -> Result<Schedule> {
-    let mut schedule = schedule_of_sequence(graph, sg, forward, backward)?;
-    let report = simulate(graph, &schedule).map_err(|e| {
-        crate::Error::Schedule(format!(
-            "internal error, please report: a composed schedule is invalid: {e}"
-        ))
-    })?;
-    schedule.predicted = Some(report);
-    Ok(schedule)
+    crate::schedule::simulate::simulated(graph, schedule_of_sequence(graph, sg, forward, backward)?)
 }
+
 /// The chain of the partition: block sizes and deltas, each block's run without grad and its
 /// class's options costed with its groups' times (its class's means, [`with_class_times`]).
 pub(super) fn chain_of(

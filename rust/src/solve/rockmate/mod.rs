@@ -12,7 +12,6 @@ use crate::error::Result;
 use crate::graph::simplify::{Hold, SimpleGraph};
 use crate::graph::Graph;
 use crate::schedule::expand::schedule_of_sequence;
-use crate::schedule::simulate::simulate;
 use crate::schedule::{chosen, Report, Schedule, SolverStatus};
 use crate::solve::dp;
 use block::{OptionPlan, OptionSearch, RefillPlan, SubProblem};
