@@ -4,6 +4,7 @@ plan for every shape), plans made ahead, and a model moved to another dtype afte
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -179,3 +180,40 @@ def test_planning_logs_its_stages_and_shows_progress(
         rm(_tokens(2)).logits.sum().backward()  # a plan's phases are built when it first runs
     assert [r.getMessage() for r in caplog.records if r.name == "remat"][0].startswith("build")
     assert "remat: planning GPT2LMHeadModel" in capsys.readouterr().err
+
+
+class _FreezeCounts(logging.Handler):
+    """The cycle collector's frozen objects at each of remat's log records."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.counts.append(gc.get_freeze_count())
+
+
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_planning_freezes_older_objects_while_it_runs_and_leaves_the_collector_as_it_was(
+    caplog: pytest.LogCaptureFixture, frozen_before: bool
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4))).train()
+    x = torch.randn(8, 32)
+    handler = _FreezeCounts()
+    logging.getLogger("remat").addHandler(handler)
+    if frozen_before:
+        gc.freeze()
+    before = gc.get_freeze_count()
+    try:
+        with caplog.at_level(logging.INFO, logger="remat"):
+            rm = remat.Remat(model, x, 0.5)
+            rm(x).pow(2).sum().backward()
+        after = gc.get_freeze_count()
+    finally:
+        logging.getLogger("remat").removeHandler(handler)
+        gc.unfreeze()
+    if frozen_before:  # the process's frozen objects stay frozen (less those freed), and no others join them
+        assert 0.9 * before < after <= before and max(handler.counts) <= before, (before, after, handler.counts)
+    else:  # the capture logs while the planning around it holds the older objects frozen
+        assert before == after == 0 and handler.counts[0] > 0, handler.counts
