@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +76,24 @@ def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> No
     measured = remat.testing.measure_step(step, keep).peak_bytes
     assert measured <= rm.plan.budget, (measured, rm.plan.budget, plain)
     assert measured < 0.7 * plain, (measured, plain)
+
+
+@pytest.mark.parametrize("one_run", [0.0, math.inf])
+def test_an_op_whose_measured_run_is_long_is_timed_by_that_run(monkeypatch: pytest.MonkeyPatch, one_run: float) -> None:
+    """On CPU an op whose measured run took ``_ONE_RUN`` or more is not run again to time it (GPT-2
+    small's head), a shorter one is; the run's allocations give its scratch either way."""
+    timed = []
+    time_op = remat.profile._time
+    monkeypatch.setattr(remat.profile, "_ONE_RUN", one_run)
+    monkeypatch.setattr(remat.profile, "_time", lambda *a: timed.append(a[0]) or time_op(*a))
+    torch.manual_seed(0)
+    model, x = _Dropouts().train(), torch.randn(512, 512)
+    rm = remat.Remat(model, x, 0.6, time_limit=5)
+    nodes = rm.graph["nodes"]
+    dropouts = [n for n in nodes if "native_dropout.default" in n["target"]]
+    assert dropouts and all(n["temp_bytes"] >= 512 * 512 * 4 for n in dropouts), dropouts
+    assert all(n["time"] > 0 for n in nodes if "mm" in n["target"]), nodes
+    assert (not timed) == (one_run == 0.0), (one_run, len(timed))
 
 
 def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(caplog: pytest.LogCaptureFixture) -> None:

@@ -6,17 +6,20 @@ anything runs. :func:`profile` then runs the graph on real tensors, in plain ord
 schedule, so that profiling holds no more than the schedule does.
 
 On CUDA: CUDA events (median of up to three runs) and the allocator's peak for temporaries. On
-CPU: ``time.perf_counter``, and temporaries from one more run of the op under the allocators'
-events (``memory.Allocations``), as CPU kernels allocate scratch that no tensor shows (dropout's
-float mask is as large as its input). An op is measured once per signature (its arguments'
-sizes, layouts and dtypes), so a model's repeated layers cost one measurement. A value whose
-storage is already held by a live value is an alias of it and costs nothing.
+CPU: ``time.perf_counter``, and temporaries from the allocators' events (``memory.Allocations``)
+while the op runs, as CPU kernels allocate scratch that no tensor shows (dropout's float mask is
+as large as its input); an op whose run took ``_ONE_RUN`` or more is timed by that run alone
+(GPT-2 small's head: each of its matmuls takes longer than the rest of a layer). An op is
+measured once per signature (its arguments' sizes, layouts and dtypes), so a model's repeated
+layers cost one measurement. A value whose storage is already held by a live value is an alias
+of it and costs nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import logging
 import statistics
 import time
@@ -42,6 +45,9 @@ _FLOPS_PER_SECOND = 1e13
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 # An op timed for this long in all is timed no more.
 _LONG = 0.01
+# A CPU op whose measured run took this long is not run again to time it: the run's first-call
+# costs (a kernel's setup, fresh pages) are small beside it.
+_ONE_RUN = 0.05
 
 
 def estimate(g: JointGraph) -> None:
@@ -101,9 +107,9 @@ def profile(
     frees included), so profiling holds what that schedule holds, plus one node's outputs while
     it is measured. A node is measured on its first run, where no node before it ran the same op
     on tensors of the same sizes, layouts and dtypes (a model's repeated layers are measured
-    once): it is timed again ``repeats`` times at most, and on CPU run once more under the
-    allocators' events for its temporaries. Gradients no node reads are dropped once made. The
-    caller's RNG state is left as it was.
+    once): on CPU that run is under the allocators' events for its temporaries, and it is timed
+    again ``repeats`` times at most unless that run took ``_ONE_RUN`` or more. Gradients no node
+    reads are dropped once made. The caller's RNG state is left as it was.
     """
     forward, backward = _ops(g, schedule)
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
@@ -197,8 +203,15 @@ class _Run:
         before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        recorded = key is not None and known is None and not cuda and self.cpu_temps
+        record = Allocations() if recorded else contextlib.nullcontext()
         try:
-            result = fn(*args, **kwargs)
+            with record:
+                t0 = time.perf_counter()
+                result = fn(*args, **kwargs)
+                took = time.perf_counter() - t0
+                outputs = [_element(result, g.values[node.outputs[i]].index) for i in grads] if recorded else []
+                made_grads = {t.untyped_storage().data_ptr() for t in outputs}
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # an op whose traced and real behaviour differ
@@ -222,12 +235,9 @@ class _Run:
             if cuda:
                 temp = max(0, high - before - new_bytes)
             else:
-                temp = (
-                    _cpu_temp(fn, args, kwargs, [g.values[node.outputs[i]].index for i in grads])
-                    if self.cpu_temps
-                    else 0
-                )
-            known = self.known[key] = (_time(fn, args, kwargs, self.repeats, _on_cuda(node, env)), temp)
+                temp = _cpu_temp(record, made_grads) if recorded else 0
+            timed = took if not cuda and took >= _ONE_RUN else _time(fn, args, kwargs, self.repeats, cuda)
+            known = self.known[key] = (timed, temp)
         node.time, node.temp_bytes = known
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
             param = self.relayout.get(vid)
@@ -249,16 +259,12 @@ def _signature(args: Any) -> Any:
     return args if isinstance(args, collections.abc.Hashable) else repr(args)
 
 
-def _cpu_temp(fn, args: tuple, kwargs: dict, grads: list[int | None]) -> int:
-    """The bytes an op allocates inside it beyond its outputs (a CPU dropout's float mask, a
-    kernel's scratch), from one more run under the allocators' events; the outputs at ``grads``
-    (indices into its result: parameters' gradients, which the plan does not count) left out."""
-    with Allocations() as record:
-        result = fn(*args, **kwargs)
-        ptrs = {_element(result, i).untyped_storage().data_ptr() for i in grads}
-    del result
+def _cpu_temp(record: Allocations, grads: set[int]) -> int:
+    """The bytes an op allocated inside it beyond its outputs (a CPU dropout's float mask, a
+    kernel's scratch), from the allocators' events of its run (``record``); the allocations at
+    ``grads`` (outputs that are parameters' gradients, which the plan does not count) left out."""
     made = {record.addresses[i]: i for i, (_, delta) in enumerate(record.deltas) if delta > 0}
-    skip = {made[ptr] for ptr in ptrs if ptr in made}
+    skip = {made[ptr] for ptr in grads if ptr in made}
     new = sum(d for s, d in record.deltas if s not in skip)
     return peak(record.deltas, skip) - new
 
