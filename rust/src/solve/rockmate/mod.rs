@@ -271,22 +271,26 @@ fn search_classes(
         .collect();
     let groups = |&(i, _): &(usize, usize)| blocks[representatives[pending[i]]].sg.groups.len();
     jobs.sort_by_key(|job| std::cmp::Reverse(groups(job)));
-    let mut solved =
-        crate::parallel::map(&jobs, |&(i, r)| searches[i].solve(&searches[i].requests[r]))
+    let solutions =
+        crate::parallel::map(&jobs, |&(i, r)| searches[i].solve(&searches[i].requests[r]));
+    let mut solved: Vec<Vec<_>> = searches
+        .iter()
+        .map(|s| s.requests.iter().map(|_| None).collect())
+        .collect();
+    for (&(i, r), solution) in jobs.iter().zip(solutions) {
+        solved[i][r] = Some(solution);
+    }
+    for ((i, search), solved) in searches.into_iter().enumerate().zip(solved) {
+        let solved = solved
             .into_iter()
-            .zip(&jobs)
-            .map(|(solution, &(i, r))| (i, r, solution))
-            .collect::<Vec<_>>();
-    solved.sort_by_key(|&(i, r, _)| (i, r));
-    let mut solved = solved.into_iter().peekable();
-    for (i, search) in searches.into_iter().enumerate() {
-        let mut mine = Vec::new();
-        while let Some((_, _, solution)) = solved.next_if(|&(j, _, _)| j == i) {
-            mine.push(solution);
-        }
-        let sub = &blocks[representatives[pending[i]]].sg;
-        let options_found = search.finish(mine)?;
-        memo::remember(sub, &options.search, &options_found);
+            .map(|s| s.expect("every ILP ran"))
+            .collect();
+        let options_found = search.finish(solved)?;
+        memo::remember(
+            &blocks[representatives[pending[i]]].sg,
+            &options.search,
+            &options_found,
+        );
         found[pending[i]] = Some(options_found);
     }
     Ok(found
