@@ -476,6 +476,8 @@ pub struct Search<'a> {
     search: OptionSearch,
     /// The ILPs' `(peak budget, saved limit)`.
     pub requests: Vec<(u64, Option<u64>)>,
+    /// Per group, its time.
+    times: Vec<f64>,
     family: Vec<OptionPlan>,
     family_costs: Vec<SequenceCost>,
     stage_plans: Vec<StagePlan>,
@@ -483,7 +485,7 @@ pub struct Search<'a> {
 
 impl<'a> Search<'a> {
     pub fn new(sub: &'a SimpleGraph, search: &OptionSearch) -> Search<'a> {
-        let times = group_times(sub);
+        let times: Vec<f64> = sub.groups.iter().map(|g| g.time).collect();
         let order = baseline::drop_order(sub);
         let mut keep = vec![false; sub.storages.len()];
         order.iter().for_each(|&s| keep[s] = true);
@@ -504,6 +506,7 @@ impl<'a> Search<'a> {
             sub,
             search: *search,
             requests,
+            times,
             family,
             family_costs,
             stage_plans,
@@ -541,10 +544,9 @@ impl<'a> Search<'a> {
     /// solution in its limits leaves the status [`SolverStatus::TimeLimit`]; one that failed is
     /// the error.
     pub fn finish(self, solved: Vec<Result<Option<IlpSolution>>>) -> Result<Options> {
-        let sub = self.sub;
-        let times = group_times(sub);
+        let (sub, times) = (self.sub, &self.times);
         let mut plans = vec![store_all_option(sub)];
-        let mut costs = vec![cost(sub, &plans[0], &times)];
+        let mut costs = vec![cost(sub, &plans[0], times)];
         let mut status = SolverStatus::Optimal;
         for solved in solved {
             match solved? {
@@ -553,7 +555,7 @@ impl<'a> Search<'a> {
                         status = SolverStatus::TimeLimit;
                     }
                     let plan = option_of(sub, &solution.plan);
-                    costs.push(cost(sub, &plan, &times));
+                    costs.push(cost(sub, &plan, times));
                     plans.push(plan);
                 }
                 None => status = SolverStatus::TimeLimit,
@@ -566,10 +568,6 @@ impl<'a> Search<'a> {
             status,
         })
     }
-}
-
-fn group_times(sub: &SimpleGraph) -> Vec<f64> {
-    sub.groups.iter().map(|g| g.time).collect()
 }
 
 /// `(peak budget, saved limit)` of each per-block ILP: `saved_levels` limits on the bytes the
