@@ -80,11 +80,12 @@ def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> No
 
 @pytest.mark.parametrize("one_run", [0.0, math.inf])
 def test_an_op_whose_measured_run_is_long_is_timed_by_that_run(monkeypatch: pytest.MonkeyPatch, one_run: float) -> None:
-    """On CPU an op whose measured run took ``_ONE_RUN`` or more is not run again to time it (GPT-2
-    small's head), a shorter one is; the run's allocations give its scratch either way."""
+    """On CPU an op whose measured run took ``_ONE_RUN`` or more, steady, is not run again to time
+    it (GPT-2 small's head), a shorter one is; the run's allocations give its scratch either way."""
     timed = []
     time_op = remat.profile._time
     monkeypatch.setattr(remat.profile, "_ONE_RUN", one_run)
+    monkeypatch.setattr(remat.profile, "_faults", lambda: 0)  # every run steady
     monkeypatch.setattr(remat.profile, "_time", lambda *a: timed.append(a[0]) or time_op(*a))
     torch.manual_seed(0)
     model, x = _Dropouts().train(), torch.randn(512, 512)
@@ -94,6 +95,51 @@ def test_an_op_whose_measured_run_is_long_is_timed_by_that_run(monkeypatch: pyte
     assert dropouts and all(n["temp_bytes"] >= 512 * 512 * 4 for n in dropouts), dropouts
     assert all(n["time"] > 0 for n in nodes if "mm" in n["target"]), nodes
     assert (not timed) == (one_run == 0.0), (one_run, len(timed))
+
+
+class _Scripted:
+    """A clock and a page-fault counter that each run of an op moves by a scripted (seconds,
+    faults), and the op that runs."""
+
+    def __init__(self, runs: list[tuple[float, int]]) -> None:
+        self.runs, self.now, self.faults, self.calls = runs, 0.0, 0, 0
+
+    def op(self) -> None:
+        seconds, faults = self.runs[self.calls]
+        self.calls += 1
+        self.now += seconds
+        self.faults += faults
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("runs", "fresh", "calls", "expected"),
+    [
+        # faulting while the process is new (10x the op's time), then steady: timed by a steady run
+        ([(0.110, 18432), (0.041, 6144), (0.0046, 0), (0.0043, 0)], 0, 3, 0.0046),
+        # its own large allocations fault at every run: steady, timed once the reruns last _LONG
+        ([(0.063, 50258), (0.061, 50258), (0.062, 50258), (0.060, 50258)], 50257, 1, 0.063),
+        # short and steady: ``repeats`` reruns
+        ([(0.0005, 0)] * 4, 0, 3, 0.0005),
+        # never steady: ``_MOST_RUNS`` runs in all, the fastest
+        ([(0.0006, 768), (0.0005, 768), (0.0007, 768), (0.0008, 768)], 0, 4, 0.0005),
+    ],
+)
+def test_a_cpu_op_is_timed_by_its_fastest_run_once_its_runs_are_steady(
+    monkeypatch: pytest.MonkeyPatch, runs: list[tuple[float, int]], fresh: int, calls: int, expected: float
+) -> None:
+    """Early in a process the allocator takes fresh pages from the system, and an op's first runs
+    fault them in (GPT-2 small's dropout backward: 108 ms, 41 ms, then 4.6 ms): an op is run again
+    until a run takes no more faults than its own allocations above ``_FRESH`` (which fault at
+    every step), and timed by its fastest run, the measured one (0.2 s here) included."""
+    scripted = _Scripted(runs)
+    monkeypatch.setattr(remat.profile, "time", scripted)
+    monkeypatch.setattr(remat.profile, "_faults", lambda: scripted.faults)
+    assert remat.profile._MOST_RUNS == 1 + len(runs)
+    seconds = remat.profile._time(scripted.op, (), {}, 3, False, 0.2, fresh)
+    assert (scripted.calls, seconds) == (calls, pytest.approx(expected))
 
 
 def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(caplog: pytest.LogCaptureFixture) -> None:

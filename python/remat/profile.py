@@ -8,11 +8,14 @@ schedule, so that profiling holds no more than the schedule does.
 On CUDA: CUDA events (median of up to three runs) and the allocator's peak for temporaries. On
 CPU: ``time.perf_counter``, and temporaries from the allocators' events (``memory.Allocations``)
 while the op runs, as CPU kernels allocate scratch that no tensor shows (dropout's float mask is
-as large as its input); an op whose run took ``_ONE_RUN`` or more is timed by that run alone
-(GPT-2 small's head: each of its matmuls takes longer than the rest of a layer). An op is
-measured once per signature (its arguments' sizes, layouts and dtypes), so a model's repeated
-layers cost one measurement. A value whose storage is already held by a live value is an alias
-of it and costs nothing.
+as large as its input). Early in a process, memory the allocator takes from the system faults
+its pages in at first touch, and an op's first runs can take 10 to 25 times its time in later
+steps (GPT-2 small's dropout backward: 108 ms, 41 ms, then 4.3 ms); so a CPU op runs again until
+a run is steady (``_steady``) and is timed by its fastest run, or by the measured run alone where
+that one took ``_ONE_RUN`` or more and was steady (GPT-2 small's head: each of its matmuls takes
+longer than the rest of a layer). An op is measured once per signature (its arguments' sizes,
+layouts and dtypes), so a model's repeated layers cost one measurement. A value whose storage is
+already held by a live value is an alias of it and costs nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import collections
 import collections.abc
 import contextlib
 import logging
+import resource
 import statistics
 import time
 from typing import Any
@@ -45,9 +49,16 @@ _FLOPS_PER_SECOND = 1e13
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 # An op timed for this long in all is timed no more.
 _LONG = 0.01
-# A CPU op whose measured run took this long is not run again to time it: the run's first-call
-# costs (a kernel's setup, fresh pages) are small beside it.
+# A CPU op whose measured run took this long, steady, is not run again to time it: the run's
+# first-call costs (a kernel's setup) are small beside it.
 _ONE_RUN = 0.05
+# Allocations above this size take fresh pages from the system at every step, where smaller ones
+# reuse freed memory once a process runs steadily (glibc's largest adaptive mmap threshold).
+_FRESH = 32 * 2**20
+# Page faults a steady run may take beyond its fresh allocations' pages (the recording's own).
+_FAULT_SLACK = 256
+# Most runs of a CPU op, the measured one included, to time it by.
+_MOST_RUNS = 5
 
 
 def estimate(g: JointGraph) -> None:
@@ -108,8 +119,8 @@ def profile(
     it is measured. A node is measured on its first run, where no node before it ran the same op
     on tensors of the same sizes, layouts and dtypes (a model's repeated layers are measured
     once): on CPU that run is under the allocators' events for its temporaries, and it is timed
-    again ``repeats`` times at most unless that run took ``_ONE_RUN`` or more. Gradients no node
-    reads are dropped once made. The caller's RNG state is left as it was.
+    by its fastest run (``_time``) unless that run took ``_ONE_RUN`` or more, steady. Gradients
+    no node reads are dropped once made. The caller's RNG state is left as it was.
     """
     forward, backward = _ops(g, schedule)
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
@@ -207,9 +218,11 @@ class _Run:
         record = Allocations() if recorded else contextlib.nullcontext()
         try:
             with record:
+                faults = _faults()
                 t0 = time.perf_counter()
                 result = fn(*args, **kwargs)
                 took = time.perf_counter() - t0
+                faults = _faults() - faults
                 outputs = [_element(result, g.values[node.outputs[i]].index) for i in grads] if recorded else []
                 made_grads = {t.untyped_storage().data_ptr() for t in outputs}
         except torch.OutOfMemoryError:
@@ -236,7 +249,11 @@ class _Run:
                 temp = max(0, high - before - new_bytes)
             else:
                 temp = _cpu_temp(record, made_grads) if recorded else 0
-            timed = took if not cuda and took >= _ONE_RUN else _time(fn, args, kwargs, self.repeats, cuda)
+            fresh = _fresh_pages(record) if recorded else 0
+            if not cuda and took >= _ONE_RUN and _steady(faults, fresh):
+                timed = took
+            else:
+                timed = _time(fn, args, kwargs, self.repeats, cuda, took, fresh)
             known = self.known[key] = (timed, temp)
         node.time, node.temp_bytes = known
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
@@ -300,20 +317,46 @@ def _meta_device(val) -> str:
     return "cpu"
 
 
-def _time(fn, args, kwargs, repeats: int, cuda: bool) -> float:
-    samples = []
-    for _ in range(repeats):
-        if cuda:
+def _time(fn, args, kwargs, repeats: int, cuda: bool, first: float = 0.0, fresh: int = 0) -> float:
+    """The op's time. On CUDA: the median of up to ``repeats`` runs. On CPU: the fastest of its
+    runs, ``first`` (the measured one) included, which go on, ``_MOST_RUNS`` at most, while the
+    last one was not steady (``_steady``; ``fresh``: the pages of its allocations above
+    ``_FRESH``), or fewer than ``repeats`` ran after ``first`` within ``_LONG`` seconds."""
+    if cuda:
+        samples = []
+        for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(*args, **kwargs)
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) / 1000.0)
-        else:
-            t0 = time.perf_counter()
-            fn(*args, **kwargs)
-            samples.append(time.perf_counter() - t0)
-        if sum(samples) > _LONG:  # long enough that one more run tells little
-            break
-    return statistics.median(samples)
+            if sum(samples) > _LONG:  # long enough that one more run tells little
+                break
+        return statistics.median(samples)
+    runs = [first]
+    steady = False
+    while len(runs) < _MOST_RUNS and not (steady and (len(runs) > repeats or sum(runs[1:]) > _LONG)):
+        faults = _faults()
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        runs.append(time.perf_counter() - t0)
+        steady = _steady(_faults() - faults, fresh)
+    return min(runs)
+
+
+def _faults() -> int:
+    """The process's page faults so far that took no I/O (the kernel mapping fresh pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _fresh_pages(record: Allocations) -> int:
+    """The pages of the allocations above ``_FRESH`` in a recorded run, which fault in at every step."""
+    page = resource.getpagesize()
+    return sum(-(-delta // page) for _, delta in record.deltas if delta > _FRESH)
+
+
+def _steady(faults: int, fresh: int) -> bool:
+    """Whether a CPU run that took ``faults`` page faults ran as it would in a steady process:
+    no more than the ``fresh`` pages of its allocations above ``_FRESH`` and ``_FAULT_SLACK``."""
+    return faults <= fresh + _FAULT_SLACK
