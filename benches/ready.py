@@ -1,5 +1,8 @@
 """How long until a wrapped model trains at full speed: ``Remat(...)`` and its first two steps
-(the first measures the loss and plans for it), with the time of each planning stage as logged.
+(the first measures the loss and plans for it), with the time of each planning stage as logged,
+beside two steps of the plain model run after them, the process then warm (on CPU a new
+process's first steps fault in fresh memory: plain PyTorch's own first two steps of GPT-2 small
+took 9.61 and 7.20 s in a new process, against 6.16 s by its fourth).
 
     python benches/ready.py [--model resnet101|gpt2_48l|llama_32l|gpt2_small] [--budget 0.4]
 
@@ -86,12 +89,16 @@ def run(name: str, budget: float) -> None:
         times.append(time.perf_counter() - start)
     ready = time.perf_counter() - t0
     log.removeHandler(stages)
+    start = time.perf_counter()
+    for _ in range(2):
+        loss(model(*args, **kwargs)).backward()
+    plain = time.perf_counter() - start
     ops = len(rm._plan.graph.nodes)
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in stages.seconds.most_common())
     other = ready - sum(stages.seconds.values())
     print(
         f"| {name} | {ops} | {t1 - t0:.2f} s | {times[0]:.2f} s | {times[1]:.2f} s | {ready:.2f} s | "
-        f"{parts}, other {other:.2f} s |",
+        f"{plain:.2f} s | {parts}, other {other:.2f} s |",
         flush=True,
     )
 
@@ -101,8 +108,8 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, action="append")
     parser.add_argument("--budget", type=float, default=0.4)
     args = parser.parse_args()
-    print("| model | ops | Remat() | step 1 | step 2 | ready | stages |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | ops | Remat() | step 1 | step 2 | ready | plain's 2 steps after | stages |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.model or MODELS:
         run(name, args.budget)
 
