@@ -14,6 +14,9 @@ import sys
 import pytest
 import remat
 import torch
+from remat.graph import JointGraph
+from remat.profile import _Run, profile
+from remat.trace import captured, graph_inputs, sample_tangents
 from torch import nn
 
 MIB = 2**20
@@ -95,6 +98,37 @@ def test_an_op_whose_measured_run_is_long_is_timed_by_that_run(monkeypatch: pyte
     assert dropouts and all(n["temp_bytes"] >= 512 * 512 * 4 for n in dropouts), dropouts
     assert all(n["time"] > 0 for n in nodes if "mm" in n["target"]), nodes
     assert (not timed) == (one_run == 0.0), (one_run, len(timed))
+
+
+def test_profiling_runs_an_op_once_per_signature_and_later_runs_only_make_its_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model's repeated layers run each op on such tensors once while profiling: later runs of an
+    op whose outputs are new floating-point storages make them (tensors of ones, as large), so
+    the profile is the same as where every op runs: each value's bytes and alias, each op's
+    scratch."""
+    torch.manual_seed(0)
+    model, x = _Dropouts().train(), torch.randn(256, 512)
+
+    def profiled(remember: bool) -> tuple[JointGraph, list[str]]:
+        g = captured(model, (x,), {})
+        made: list[str] = []
+        make = _Run.make
+        with monkeypatch.context() as m:
+            if not remember:
+                m.setattr(_Run, "remember_outputs", lambda *a: None)
+            m.setattr(_Run, "make", lambda run, node, specs: made.append(node.fx_node.name) or make(run, node, specs))
+            profile(g, graph_inputs(g, model, [x]), sample_tangents(g, frozenset()))
+        return g, made
+
+    ran, none_made = profiled(remember=False)
+    faked, made = profiled(remember=True)
+    assert not none_made
+    # layers 2 to 6: the linear's addmm and tanh forward, tanh's backward and the input gradient's mm
+    assert len(made) >= 4 * 5, made
+    assert [(v.bytes, v.alias_of) for v in faked.values] == [(v.bytes, v.alias_of) for v in ran.values]
+    assert [n.temp_bytes for n in faked.nodes] == [n.temp_bytes for n in ran.nodes]
+    assert all(n.time > 0 for n in faked.nodes if n.fx_node.name in made)
 
 
 class _Scripted:

@@ -27,6 +27,7 @@ import logging
 import resource
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -162,6 +163,7 @@ class _Run:
         self.holders: collections.Counter[int] = collections.Counter()  # data_ptr -> live values on it
         self.measured: set[int] = set()
         self.known: dict[tuple, tuple[float, int]] = {}  # an op's signature -> (time, temporary bytes)
+        self.made: dict[tuple, list[_Made]] = {}  # an op's signature -> how later runs make its outputs
         # gradients no node reads: they would be the parameters' .grad, which planning need not hold
         read = {v for n in g.nodes for v in n.inputs}
         self.unread_grads = self.grads - read
@@ -208,13 +210,23 @@ class _Run:
         args, kwargs = torch.fx.node.map_arg(sized, lambda a: env[g.value_of[a]])
         fn = node.fx_node.target
         grads = tuple(i for i, v in enumerate(node.outputs) if v in self.grads)
-        key = (fn, _signature(args), _signature(kwargs), grads) if node.id not in self.measured else None
-        known = self.known.get(key) if key is not None else None
-        cuda = key is not None and known is None and _on_cuda(node, env)
+        key = (fn, _signature(args), _signature(kwargs), grads)
+        first = node.id not in self.measured
+        known = self.known.get(key)
+        made = self.made.get(key)
+        if made is not None and known is not None:
+            del args, kwargs
+            self.make(node, made)
+            if first:
+                self.measured.add(node.id)
+                node.time, node.temp_bytes = known
+            return
+        measuring = first and known is None
+        cuda = measuring and _on_cuda(node, env)
         before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        recorded = key is not None and known is None and not cuda and self.cpu_temps
+        recorded = measuring and not cuda and self.cpu_temps
         record = Allocations() if recorded else contextlib.nullcontext()
         try:
             with record:
@@ -240,8 +252,10 @@ class _Run:
                 self.drop(vid)
             new = self.hold(vid, _element(result, g.values[vid].index), count=True)
             new_bytes += 0 if vid in self.grads else new  # a parameter's .grad is not counted
+        if measuring:
+            self.remember_outputs(key, node, result)
         del result
-        if key is None:
+        if not first:
             return
         self.measured.add(node.id)
         if known is None:
@@ -262,6 +276,48 @@ class _Run:
                 node.temp_bytes += env[vid].untyped_storage().nbytes()
         for vid in self.unread_grads.intersection(node.outputs):
             self.drop(vid)
+
+    def remember_outputs(self, key: tuple, node, result) -> None:
+        """After an op's measured run: where its outputs are new floating-point storages, how to
+        make them (``_Made``), for each later run of the op on such tensors, which only makes
+        them, as tensors of ones: no measurement reads their values (an integer output may index,
+        a view shares its input's memory, a gradient is checked for its layout)."""
+        if node.fx_node.meta.get(ACCUMULATES) or not node.outputs:
+            return
+        specs, storages = [], set()
+        for vid in node.outputs:
+            t = _element(result, self.g.values[vid].index)
+            if vid in self.grads or not isinstance(t, torch.Tensor) or self.g.values[vid].alias_of is not None:
+                return
+            storage = t.untyped_storage()
+            if not t.is_floating_point() or storage.nbytes() % t.element_size() or storage.data_ptr() in storages:
+                return
+            storages.add(storage.data_ptr())
+            elements = storage.nbytes() // t.element_size()
+            specs.append(_Made(elements, t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()))
+        self.made[key] = specs
+
+    def make(self, node, made: list[_Made]) -> None:
+        """The outputs of a run of an op measured before on such tensors, made as tensors of ones
+        (``remember_outputs``)."""
+        for vid, m in zip(node.outputs, made):
+            if vid in self.env:
+                self.drop(vid)
+            t = torch.ones(m.elements, dtype=m.dtype, device=m.device).as_strided(m.shape, m.stride, m.offset)
+            self.hold(vid, t, count=False)
+
+
+@dataclass(frozen=True)
+class _Made:
+    """An op's output as later runs make it: its storage's elements, and the tensor's dtype,
+    device, shape, strides and storage offset."""
+
+    elements: int
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 def _signature(args: Any) -> Any:
