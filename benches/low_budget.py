@@ -6,10 +6,12 @@ on each layer), remat at checkpointing's measured peak and remat at its smallest
 gives the measured activation peak (``remat.testing.measure_step``, the loss outside the model
 included; GPT-2 small computes its own, ``labels=``), remat's predicted peak and recomputation,
 and the step time as a ratio to plain PyTorch's and to checkpointing's, medians of steps
-alternated with theirs in one process (eager executor, random weights).
+alternated with theirs in one process (random weights). ``--compile``: plain PyTorch and the
+checkpointed model under ``torch.compile``, remat with ``compile=True``.
 
     .venv/bin/python benches/low_budget.py                        # every model
     .venv/bin/python benches/low_budget.py --models gpt2_6l --steps 3
+    .venv/bin/python benches/low_budget.py --models gpt2_6l --compile
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import remat
 import torch
+from remat.inductor import CompiledPhase
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
@@ -159,8 +162,9 @@ def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -
     return step
 
 
-def _peak(step: Callable[[], None], case: Case) -> int:
-    step()  # remat measures the loss and plans again on its first step
+def _peak(step: Callable[[], None], case: Case, warmups: int = 1) -> int:
+    for _ in range(warmups):  # remat measures the loss and plans again on its first step; compiling runs once
+        step()
     inputs = case.args.values() if isinstance(case.args, dict) else case.args
     return remat.testing.measure_step(step, [*case.model.parameters(), *case.model.buffers(), *inputs]).peak_bytes
 
@@ -182,13 +186,16 @@ def _ratio(step: Callable[[], None], other: Callable[[], None], steps: int) -> f
     return statistics.median(ours) / statistics.median(theirs)
 
 
-def _within(case: Case, budget: int) -> tuple[remat.Remat | None, Callable[[], None] | None, int | None, int]:
+def _within(
+    case: Case, budget: int, compile: bool
+) -> tuple[remat.Remat | None, Callable[[], None] | None, int | None, int]:
     """remat within ``budget``, its step and measured peak, and its smallest budget; ``None``s
-    where the budget is below that."""
+    where the budget is below that. ``compile``: its phases through Inductor, compiled at the
+    second step (the first measures the loss, eagerly)."""
     try:
-        rm = remat.Remat(case.model, case.args, budget)
+        rm = remat.Remat(case.model, case.args, budget, compile=compile)
         step = _step(rm, case)
-        return rm, step, _peak(step, case), rm.plan.min_budget
+        return rm, step, _peak(step, case, 2 if compile else 1), rm.plan.min_budget
     except remat.InfeasibleBudget as exc:
         return None, None, None, exc.min_budget
 
@@ -199,30 +206,34 @@ def _row(label: str, rm, step, measured: int | None, floor: int, plain, checkpoi
     p = rm.plan.schedule.predicted
     recomputing = p.recomputed_time / max(p.time - p.recomputed_time, 1e-12)
     label = f"{label} ({rm.plan.budget / 2**20:.2f} MiB)"
+    if rm._options.compile and not isinstance(rm._plan.phases.forward, CompiledPhase):
+        label += ", eager: its compiled phases measured over the budget"
     ratios = _ratio(step, plain, steps), _ratio(step, checkpointed, steps)
     return (label, measured, p.step_peak_bytes, recomputing, *ratios)
 
 
-def run(name: str, steps: int) -> list[str]:
+def run(name: str, steps: int, compile: bool = False) -> list[str]:
     torch.manual_seed(0)
     case = MODELS[name]()
-    plain = _step(case.model, case)
+    compiled = torch.compile if compile else lambda f: f
+    plain = _step(compiled(case.model), case)
     rows = [("plain PyTorch", _peak(plain, case), None, None, 1.0, None)]
     seconds = statistics.median(_timed(plain) for _ in range(steps))
-    checkpointed = _step(case.checkpointed(), case, checkpointing=True)
+    checkpointed = _step(compiled(case.checkpointed()), case, checkpointing=True)
     peak = _peak(checkpointed, case)
     rows.append((case.how, peak, None, None, _ratio(checkpointed, plain, steps), 1.0))
-    rm, step, measured, floor = _within(case, peak)
+    rm, step, measured, floor = _within(case, peak, compile)
     rows.append(_row("remat at checkpointing's peak", rm, step, measured, floor, plain, checkpointed, steps))
     for _ in range(3):  # the smallest budget may rise once the first step has measured the loss
-        rm, step, measured, smallest = _within(case, floor)
+        rm, step, measured, smallest = _within(case, floor, compile)
         if rm is not None:
             break
         floor = smallest
     rows.append(_row("remat at its smallest budget", rm, step, measured, floor, plain, checkpointed, steps))
     mib = 2**20
     header = "| run | measured peak | predicted peak | predicted recomputing | step / plain | step / checkpointing |"
-    lines = [f"{name} (plain PyTorch's step {seconds:.3f} s)", header, "|---|---|---|---|---|---|"]
+    how = ", compiled" if compile else ""
+    lines = [f"{name}{how} (plain PyTorch's step {seconds:.3f} s)", header, "|---|---|---|---|---|---|"]
     for label, measured, predicted, recomputing, ratio, to_checkpointing in rows:
         cells = [
             label,
@@ -240,9 +251,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="torch.compile, and remat with compile=True")
     args = parser.parse_args()
     for name in args.models:
-        print("\n".join(run(name, args.steps)), flush=True)
+        print("\n".join(run(name, args.steps, args.compile)), flush=True)
     print(f"CPU, {torch.get_num_threads()} threads")
 
 
