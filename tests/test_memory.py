@@ -104,9 +104,9 @@ def test_profiling_runs_an_op_once_per_signature_and_later_runs_only_make_its_ou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A model's repeated layers run each op on such tensors once while profiling: later runs of an
-    op whose outputs are new floating-point storages make them (tensors of ones, as large), so
-    the profile is the same as where every op runs: each value's bytes and alias, each op's
-    scratch."""
+    op whose outputs are new floating-point or boolean storages make them (tensors of ones, as
+    large), so the profile is the same as where every op runs: each value's bytes and alias, each
+    op's scratch (dropout's float mask inside the op)."""
     torch.manual_seed(0)
     model, x = _Dropouts().train(), torch.randn(256, 512)
 
@@ -124,8 +124,8 @@ def test_profiling_runs_an_op_once_per_signature_and_later_runs_only_make_its_ou
     ran, none_made = profiled(remember=False)
     faked, made = profiled(remember=True)
     assert not none_made
-    # layers 2 to 6: the linear's addmm and tanh forward, tanh's backward and the input gradient's mm
-    assert len(made) >= 4 * 5, made
+    # layers 2 to 6: the linear's addmm, dropout and tanh forward, tanh's and dropout's backward
+    assert len(made) >= 5 * 5 and any(name.startswith("native_dropout_") for name in made), made
     assert [(v.bytes, v.alias_of) for v in faked.values] == [(v.bytes, v.alias_of) for v in ran.values]
     assert [n.temp_bytes for n in faked.nodes] == [n.temp_bytes for n in ran.nodes]
     assert all(n.time > 0 for n in faked.nodes if n.fx_node.name in made)

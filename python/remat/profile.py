@@ -278,10 +278,10 @@ class _Run:
             self.drop(vid)
 
     def remember_outputs(self, key: tuple, node, result) -> None:
-        """After an op's measured run: where its outputs are new floating-point storages, how to
-        make them (``_Made``), for each later run of the op on such tensors, which only makes
-        them, as tensors of ones: no measurement reads their values (an integer output may index,
-        a view shares its input's memory, a gradient is checked for its layout)."""
+        """After an op's measured run: where its outputs are new floating-point or boolean storages,
+        how to make them (``_Made``), for each later run of the op on such tensors, which only
+        makes them, as tensors of ones: no measurement reads their values (an integer output may
+        index, a view shares its input's memory, a gradient is checked for its layout)."""
         if node.fx_node.meta.get(ACCUMULATES) or not node.outputs:
             return
         specs, storages = [], set()
@@ -290,7 +290,11 @@ class _Run:
             if vid in self.grads or not isinstance(t, torch.Tensor) or self.g.values[vid].alias_of is not None:
                 return
             storage = t.untyped_storage()
-            if not t.is_floating_point() or storage.nbytes() % t.element_size() or storage.data_ptr() in storages:
+            if (
+                not (t.is_floating_point() or t.dtype == torch.bool)
+                or storage.nbytes() % t.element_size()
+                or storage.data_ptr() in storages
+            ):
                 return
             storages.add(storage.data_ptr())
             elements = storage.nbytes() // t.element_size()
