@@ -219,7 +219,7 @@ class _Run:
             self.make(node, made)
             if first:
                 self.measured.add(node.id)
-                node.time, node.temp_bytes = known
+                self.settle(node, known)
             return
         measuring = first and known is None
         cuda = measuring and _on_cuda(node, env)
@@ -269,11 +269,16 @@ class _Run:
             else:
                 timed = _time(fn, args, kwargs, self.repeats, cuda, took, fresh)
             known = self.known[key] = (timed, temp)
+        self.settle(node, known)
+
+    def settle(self, node, known: tuple[float, int]) -> None:
+        """A node's first run: its time and temporary bytes from its op's measurement (``known``),
+        and the gradients it made that no node reads dropped."""
         node.time, node.temp_bytes = known
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
             param = self.relayout.get(vid)
-            if param is not None and not obeys_layout(env[vid], param.shape, param.stride()):
-                node.temp_bytes += env[vid].untyped_storage().nbytes()
+            if param is not None and not obeys_layout(self.env[vid], param.shape, param.stride()):
+                node.temp_bytes += self.env[vid].untyped_storage().nbytes()
         for vid in self.unread_grads.intersection(node.outputs):
             self.drop(vid)
 
@@ -281,13 +286,13 @@ class _Run:
         """After an op's measured run: where its outputs are new floating-point or boolean storages,
         how to make them (``_Made``), for each later run of the op on such tensors, which only
         makes them, as tensors of ones: no measurement reads their values (an integer output may
-        index, a view shares its input's memory, a gradient is checked for its layout)."""
+        index, a view shares its input's memory; a gradient's layout, which is checked, is its own)."""
         if node.fx_node.meta.get(ACCUMULATES) or not node.outputs:
             return
         specs, storages = [], set()
         for vid in node.outputs:
             t = _element(result, self.g.values[vid].index)
-            if vid in self.grads or not isinstance(t, torch.Tensor) or self.g.values[vid].alias_of is not None:
+            if not isinstance(t, torch.Tensor) or self.g.values[vid].alias_of is not None:
                 return
             storage = t.untyped_storage()
             if (
