@@ -14,6 +14,7 @@ import sys
 import pytest
 import remat
 import torch
+from helpers import assert_close_grads, run_step
 from remat.graph import JointGraph
 from remat.profile import _Run, profile
 from remat.trace import captured, graph_inputs, sample_tangents
@@ -129,6 +130,36 @@ def test_profiling_runs_an_op_once_per_signature_and_later_runs_only_make_its_ou
     assert [(v.bytes, v.alias_of) for v in faked.values] == [(v.bytes, v.alias_of) for v in ran.values]
     assert [n.temp_bytes for n in faked.nodes] == [n.temp_bytes for n in ran.nodes]
     assert all(n.time > 0 for n in faked.nodes if n.fx_node.name in made)
+
+
+class _IndexedHead(nn.Module):
+    """Repeated layers, then a head that indexes a table by whether a value is exactly 1.0: never
+    on real values, always on outputs made of ones, where the index is out of range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+        self.table = nn.Parameter(torch.randn(2, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(x)
+        return x + self.table[(x[..., 0] == 1.0).long() * 5]
+
+
+def test_an_op_failing_on_outputs_made_of_ones_profiles_the_graph_again_on_real_values(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Later runs of a measured op make its outputs as tensors of ones; an op whose values decide
+    an index then fails where real values would not, and profiling runs every op again: the plan
+    is made, and its step gives plain PyTorch's gradients."""
+    torch.manual_seed(0)
+    model, x = _IndexedHead().train(), torch.randn(128, 64)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        rm = remat.Remat(model, x, 0.6, time_limit=5)
+    assert "profiling ran every op again" in caplog.text
+    plain = run_step(model, model, x)
+    planned = run_step(model, rm, x)
+    assert_close_grads(planned.grads, plain.grads)
 
 
 class _Scripted:

@@ -120,8 +120,11 @@ def profile(
     it is measured. A node is measured on its first run, where no node before it ran the same op
     on tensors of the same sizes, layouts and dtypes (a model's repeated layers are measured
     once): on CPU that run is under the allocators' events for its temporaries, and it is timed
-    by its fastest run (``_time``) unless that run took ``_ONE_RUN`` or more, steady. Gradients
-    no node reads are dropped once made. The caller's RNG state is left as it was.
+    by its fastest run (``_time``) unless that run took ``_ONE_RUN`` or more, steady. A later
+    run of a measured op only makes its outputs, as tensors of ones, where they are new
+    floating-point or boolean storages (``_Run.remember_outputs``); where an op then fails on such
+    values (an index out of range), the graph is run again, every op computed. Gradients no node
+    reads are dropped once made. The caller's RNG state is left as it was.
     """
     forward, backward = _ops(g, schedule)
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
@@ -133,7 +136,16 @@ def profile(
             "(planning records it with the profiler), so the plan may exceed its budget by an op's scratch"
         )
     with torch.random.fork_rng(devices=list(devices)), torch.no_grad():
-        _Run(g, relayout, repeats, cpu_temps).all(inputs, tangents, forward, backward)
+        run = _Run(g, relayout, repeats, cpu_temps)
+        try:
+            run.all(inputs, tangents, forward, backward)
+        except CaptureError as exc:
+            if not run.made_any:
+                raise
+            # an op failed on values made of ones (an index out of range): every op runs
+            log.info("profiling ran every op again, as %s", exc)
+            del run
+            _Run(g, relayout, repeats, cpu_temps, make=False).all(inputs, tangents, forward, backward)
 
 
 def _ops(g: JointGraph, schedule: Schedule | None) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
@@ -155,8 +167,12 @@ class _Run:
     """The tensors alive while profiling, who owns each storage, and what each op signature
     measured."""
 
-    def __init__(self, g: JointGraph, relayout: dict[int, Any], repeats: int, cpu_temps: bool) -> None:
+    def __init__(
+        self, g: JointGraph, relayout: dict[int, Any], repeats: int, cpu_temps: bool, make: bool = True
+    ) -> None:
         self.g, self.relayout, self.repeats, self.cpu_temps = g, relayout, repeats, cpu_temps
+        self.making = make  # whether later runs of a measured op make its outputs (``remember_outputs``)
+        self.made_any = False
         self.grads = {v for v, kind in g.outputs if kind == "grad"}
         self.env: dict[int, torch.Tensor | None] = {}
         self.owner_of: dict[int, int] = {}  # storage data_ptr -> owning value id
@@ -252,7 +268,7 @@ class _Run:
                 self.drop(vid)
             new = self.hold(vid, _element(result, g.values[vid].index), count=True)
             new_bytes += 0 if vid in self.grads else new  # a parameter's .grad is not counted
-        if measuring:
+        if measuring and self.making:
             self.remember_outputs(key, node, result)
         del result
         if not first:
@@ -292,7 +308,7 @@ class _Run:
         specs, storages = [], set()
         for vid in node.outputs:
             t = _element(result, self.g.values[vid].index)
-            if not isinstance(t, torch.Tensor) or self.g.values[vid].alias_of is not None:
+            if type(t) is not torch.Tensor or self.g.values[vid].alias_of is not None:  # a subclass runs
                 return
             storage = t.untyped_storage()
             if (
@@ -309,6 +325,7 @@ class _Run:
     def make(self, node, made: list[_Made]) -> None:
         """The outputs of a run of an op measured before on such tensors, made as tensors of ones
         (``remember_outputs``)."""
+        self.made_any = True
         for vid, m in zip(node.outputs, made):
             if vid in self.env:
                 self.drop(vid)
