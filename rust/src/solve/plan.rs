@@ -314,13 +314,25 @@ struct Heuristic {
 fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> Result<Heuristic> {
     // Lazy recomputation whenever its keep-nothing schedule fits: then the restricted model is
     // feasible, and it is much smaller (docs/decisions.md, "Planning"). Only otherwise is the
-    // (slower to build) keep-nothing schedule that recomputes anywhere needed.
+    // (slower to build) keep-nothing schedule that recomputes anywhere needed. The lazy one, whose
+    // recomputations grow with the square of the depth (2.8 million ops on GPT-2 48L), is built
+    // on a thread of its own while the lazy keep-set schedules are probed.
     let nothing = vec![false; sg.storages.len()];
     let lazy_runs = sg.stage_runs(Recompute::Lazy);
-    let lazy_plan = baseline::keep_set(sg, &nothing, &lazy_runs);
-    let lazy = simulated(graph, sg, &lazy_plan)?;
-    let (recompute, runs, lowest) = if peak(&lazy) <= budget {
-        (Recompute::Lazy, lazy_runs, (lazy_plan, lazy))
+    let (lazy, probed) = std::thread::scope(|scope| {
+        let lazy = scope.spawn(|| {
+            let plan = baseline::keep_set(sg, &nothing, &lazy_runs);
+            simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
+        });
+        let probed = fastest_keep_set(graph, sg, budget, &lazy_runs);
+        let lazy = lazy
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (lazy, probed)
+    });
+    let lazy = lazy?;
+    let (recompute, (plan, schedule)) = if peak(&lazy.1) <= budget {
+        (Recompute::Lazy, probed?.unwrap_or(lazy))
     } else {
         let runs = sg.stage_runs(Recompute::Anywhere);
         let plan = baseline::keep_set(sg, &nothing, &runs);
@@ -329,9 +341,9 @@ fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> 
             let min_budget = peak(&lowest).min(peak(store));
             return Err(Error::Infeasible { budget, min_budget });
         }
-        (Recompute::Anywhere, runs, (plan, lowest))
+        let found = fastest_keep_set(graph, sg, budget, &runs)?;
+        (Recompute::Anywhere, found.unwrap_or((plan, lowest)))
     };
-    let (plan, schedule) = fastest_keep_set(graph, sg, budget, &runs, lowest)?;
     Ok(Heuristic {
         recompute,
         plan,
@@ -371,15 +383,15 @@ fn checkmate(
 }
 
 /// The fastest plan within `budget` of the family "keep every recomputable storage except the
-/// first `d` of [`baseline::drop_order`]", found by bisection on `d` (`d` = all is the
-/// keep-nothing plan within `runs`, `lowest`, which the caller checked fits).
+/// first `d` of [`baseline::drop_order`]" for `d` short of all of them (`d` = all is the
+/// keep-nothing plan within `runs`, which the caller builds), found by bisection on `d`; `None`
+/// where none fits.
 fn fastest_keep_set(
     graph: &Graph,
     sg: &SimpleGraph,
     budget: u64,
     runs: &StageRuns,
-    lowest: (StagePlan, Schedule),
-) -> Result<(StagePlan, Schedule)> {
+) -> Result<Option<(StagePlan, Schedule)>> {
     let order = baseline::drop_order(sg);
     let plan_dropping = |d: usize| {
         let mut keep = vec![false; sg.storages.len()];
@@ -387,13 +399,14 @@ fn fastest_keep_set(
         let plan = baseline::keep_set(sg, &keep, runs);
         simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
     };
+    // `fits`: the least `d` known to fit, assumed all (keeping nothing) until a probe fits.
     let (mut fits, mut over) = (order.len(), None);
-    let mut best = lowest;
+    let mut best = None;
     while over.map_or(fits > 0, |o: usize| fits > o + 1) {
         let mid = over.map_or(0, |o| (o + fits) / 2);
         let candidate = plan_dropping(mid)?;
         if peak(&candidate.1) <= budget {
-            (fits, best) = (mid, candidate);
+            (fits, best) = (mid, Some(candidate));
         } else {
             over = Some(mid);
         }
