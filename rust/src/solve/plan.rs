@@ -320,10 +320,7 @@ fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> 
     let nothing = vec![false; sg.storages.len()];
     let lazy_runs = sg.stage_runs(Recompute::Lazy);
     let (lazy, probed) = std::thread::scope(|scope| {
-        let lazy = scope.spawn(|| {
-            let plan = baseline::keep_set(sg, &nothing, &lazy_runs);
-            simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
-        });
+        let lazy = scope.spawn(|| keep_set_simulated(graph, sg, &nothing, &lazy_runs));
         let probed = fastest_keep_set(graph, sg, budget, &lazy_runs);
         let lazy = lazy
             .join()
@@ -335,14 +332,13 @@ fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> 
         (Recompute::Lazy, probed?.unwrap_or(lazy))
     } else {
         let runs = sg.stage_runs(Recompute::Anywhere);
-        let plan = baseline::keep_set(sg, &nothing, &runs);
-        let lowest = simulated(graph, sg, &plan)?;
-        if budget < peak(&lowest) {
-            let min_budget = peak(&lowest).min(peak(store));
+        let lowest = keep_set_simulated(graph, sg, &nothing, &runs)?;
+        if budget < peak(&lowest.1) {
+            let min_budget = peak(&lowest.1).min(peak(store));
             return Err(Error::Infeasible { budget, min_budget });
         }
         let found = fastest_keep_set(graph, sg, budget, &runs)?;
-        (Recompute::Anywhere, found.unwrap_or((plan, lowest)))
+        (Recompute::Anywhere, found.unwrap_or(lowest))
     };
     Ok(Heuristic {
         recompute,
@@ -396,8 +392,7 @@ fn fastest_keep_set(
     let plan_dropping = |d: usize| {
         let mut keep = vec![false; sg.storages.len()];
         order[d..].iter().for_each(|&s| keep[s] = true);
-        let plan = baseline::keep_set(sg, &keep, runs);
-        simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
+        keep_set_simulated(graph, sg, &keep, runs)
     };
     // `fits`: the least `d` known to fit, assumed all (keeping nothing) until a probe fits.
     let (mut fits, mut over) = (order.len(), None);
@@ -412,6 +407,17 @@ fn fastest_keep_set(
         }
     }
     Ok(best)
+}
+
+/// The keep-set plan keeping `keep` within `runs` ([`baseline::keep_set`]), with its schedule.
+fn keep_set_simulated(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    keep: &[bool],
+    runs: &StageRuns,
+) -> Result<(StagePlan, Schedule)> {
+    let plan = baseline::keep_set(sg, keep, runs);
+    simulated(graph, sg, &plan).map(|schedule| (plan, schedule))
 }
 
 /// `(min_budget, plain_peak)`: a budget from which [`plan`] plans whatever the solver, and plain
