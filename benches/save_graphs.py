@@ -4,8 +4,8 @@ rust/tests/graphs/, the inputs of the Rust tests and `cargo bench`.
     .venv/bin/python benches/save_graphs.py            # all models
     .venv/bin/python benches/save_graphs.py gpt2_12l   # some of them
 
-Each is measured by plain PyTorch's step, or (``OUTSIDE``: the loss outside the model) by
-remat's first step.
+Each is measured by plain PyTorch's step, or (``OUTSIDE``: the loss outside the model; ``LABELS``:
+inside, ``labels=``) by remat's first step.
 """
 
 from __future__ import annotations
@@ -92,15 +92,26 @@ OUTSIDE = {
     "gpt2_6l_first": (gpt2_wide(6), None),
 }
 
+# Graphs with the loss inside the model (``labels=``), as remat plans them after the first step:
+# the cross-entropy's backward over the vocabulary is the step's peak.
+LABELS = {"gpt2_4l_labels": gpt2_wide(4)}
+
 
 def save(name: str) -> tuple[Path, int]:
     """Save ``name``'s graph; return its path and number of nodes."""
     torch.manual_seed(0)
-    make, loss = OUTSIDE.get(name, (MODELS.get(name), None))
+    make, loss = OUTSIDE.get(name, (MODELS.get(name) or LABELS.get(name), None))
     model, sample = make()
     model.train()
     args = sample if isinstance(sample, tuple) else (sample,)
-    if name not in OUTSIDE:
+    if name in LABELS:
+        batch = {"input_ids": sample, "labels": sample}
+        rm = remat.Remat(model, batch, 0.9)
+        rm(**batch).loss.backward()  # learns that the loss is inside and plans again
+        graph = rm.graph
+        graph["name"] = name
+        text, nodes = json.dumps(graph), len(graph["nodes"])
+    elif name not in OUTSIDE:
         g = trace(model, args, {})
         g.name = name
         text, nodes = g.to_json(), len(g.nodes)
@@ -118,7 +129,7 @@ def save(name: str) -> tuple[Path, int]:
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[1:] or [*MODELS, *OUTSIDE]:
+    for name in sys.argv[1:] or [*MODELS, *OUTSIDE, *LABELS]:
         path, nodes = save(name)
         shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
         print(f"{shown}: {path.stat().st_size} bytes, {nodes} nodes")

@@ -160,6 +160,7 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     g = build_graph(captured, base.name)
     g.gradients_not_computed_from = uncomputed
     copy_profile(base, g)
+    _passed_on(g)
     ids = {v.name: v.id for v in g.values}
     replaced = {  # a zeros node is gone where only dropped gradients read it
         ids[name]: ids[zeros] for name, (kind, zeros) in new_values.items() if kind == "tangent" and zeros in ids
@@ -181,6 +182,21 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
         source = next(iter(captured.gm.graph.nodes))
         g.values.append(Value(len(g.values), "held_by_the_loss", "tangent", source, None, outside.held_bytes))
     return g
+
+
+def _passed_on(g: JointGraph) -> None:
+    """Each ``add_or_pass`` output, planned without the gradient, is its summand's storage (it
+    stays alive while the output does), and so are the views of it."""
+    owner: dict[int, int] = {}
+    for n in g.nodes:
+        if n.fx_node.target is add_or_pass:
+            summand = g.values[g.value_of[n.fx_node.args[1]]]
+            out = g.values[n.outputs[0]]
+            out.bytes, out.alias_of = 0, summand.id if summand.alias_of is None else summand.alias_of
+            owner[out.id] = out.alias_of
+    for v in g.values:
+        if v.alias_of in owner:
+            v.bytes, v.alias_of = 0, owner[v.alias_of]
 
 
 def _copy_with_outside(

@@ -161,15 +161,21 @@ pub fn candidates(
     }
     let mut near = polish_fastest(graph, sg, hierarchy, budget, near)?;
     near.extend(after_loss(graph, sg, hierarchy, &solver, budget)?);
-    Ok(Found {
-        grid: polish_fastest(graph, sg, hierarchy, budget, grid)?,
-        lowest,
-        near,
-    })
+    let grid = polish_fastest(graph, sg, hierarchy, budget, grid)?;
+    let near_the_lowest = lowest.is_none_or(|l| budget <= l + l / NEAR_THE_LOWEST);
+    if (grid.is_empty() && near.is_empty()) || near_the_lowest {
+        near.extend(loss_backward_first(graph, sg, hierarchy, budget, slots)?);
+    }
+    Ok(Found { grid, lowest, near })
 }
 
 /// Tries of [`after_loss`].
 const AFTER_LOSS_TRIES: usize = 3;
+
+/// [`loss_backward_first`] is tried where nothing else fits, and within `1 / NEAR_THE_LOWEST`
+/// above the least peak of the grid's schedules, where it may still be faster than they are (so
+/// that plans do not slow down as the budget grows past the smallest).
+const NEAR_THE_LOWEST: u64 = 50;
 
 /// The schedule whose forward keeps nothing to the loss and whose backward runs the DP's sequence
 /// from the input ([`dp::Solver::after_loss`]) within `budget`, if one is found: its loss peaks
@@ -203,6 +209,94 @@ fn after_loss(
         }
     }
     Ok(None)
+}
+
+/// The fastest schedule within `budget`, if one is found, whose forward keeps nothing to the
+/// loss and whose backward starts with a first part of the last block's backward, up to its first
+/// read of the block's input ([`block::split_at`]: the loss's backward), then runs the DP's
+/// sequence from the input ([`dp::Solver::after_loss`]) over the chain without the last block,
+/// whose loss is the rest of the last block (its forward groups the rest reads, made again from
+/// the block's input, and the rest of its backward). A loss inside the model may peak in its own
+/// backward (GPT-2's cross-entropy over its vocabulary: the logits, the log-softmax, its gradient
+/// and the logits' gradient), where the DP's own sequences hold the last block's input or a
+/// checkpoint besides; once that part has run the step needs far less, and the rest recomputes
+/// from the input with the DP's checkpoints instead of from the input at each block, as the
+/// heuristic's fallback does. Each cut of each option of the last block is tried; per cut, the
+/// limit starts at the budget and is lowered by what the schedule went over it, as in
+/// [`after_loss`].
+fn loss_backward_first(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    hierarchy: &Hierarchy,
+    budget: u64,
+    slots: usize,
+) -> Result<Option<Schedule>> {
+    let last = hierarchy.blocks.len() - 1;
+    if last == 0 {
+        return Ok(None);
+    }
+    let sub = &hierarchy.blocks[last];
+    let forward: Vec<usize> = hierarchy.partition.forward.concat();
+    let mut best: Option<Schedule> = None;
+    for plan in &hierarchy.options[hierarchy.class_of[last]] {
+        let groups =
+            |locals: &[usize]| -> Vec<usize> { locals.iter().map(|&l| sub.groups[l]).collect() };
+        let made_again = again(sg, groups(&plan.forward));
+        // Every cut up to the first read of the input: a longer first part may read forward
+        // values (the head's matmul reads the final norm's output) that a shorter one lets go.
+        for cut in 1..=block::split_at(sub, plan).unwrap_or(0) {
+            let (first, second) = (groups(&plan.backward[..cut]), groups(&plan.backward[cut..]));
+            let (_, _, between, second_peak) = block::split_cost(sub, plan, cut);
+            let chain = without_last_block(&hierarchy.chain, between, second_peak);
+            let solver = dp::Solver::new(&chain, slots)?;
+            let mut limit = budget;
+            for _ in 0..AFTER_LOSS_TRIES {
+                // The DP's own recurrence over the chain without the last block: its loss is the
+                // rest of the last block, run once the chain's output is made again.
+                let ops = match solver.solve(limit) {
+                    Ok(sequence) => sequence.ops,
+                    Err(crate::Error::Infeasible { .. }) => break,
+                    Err(e) => return Err(e),
+                };
+                let (to_loss, after) = hierarchy.groups_of(&ops);
+                let backward: Vec<usize> = (first.iter().copied())
+                    .chain(again(sg, to_loss))
+                    .chain(made_again.iter().copied())
+                    .chain(second.iter().copied())
+                    .chain(again(sg, after))
+                    .collect();
+                let schedule = composed_schedule(graph, sg, &forward, &backward)?;
+                let report = schedule.predicted.expect("simulated");
+                if report.peak_bytes <= budget {
+                    let faster = |b: &Schedule| report.time < b.predicted.expect("simulated").time;
+                    if best.as_ref().is_none_or(faster) {
+                        best = Some(schedule);
+                    }
+                    break;
+                }
+                let over = report.backward_peak_bytes.saturating_sub(budget);
+                match limit.checked_sub(over) {
+                    Some(lower) if report.forward_peak_bytes <= budget && over > 0 => limit = lower,
+                    _ => break,
+                }
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// `chain` without its last block, for [`loss_backward_first`]: what is alive between the parts
+/// of the last block's backward (`between`) is held for the whole step, and its second part, whose
+/// own peak counts it again (`second_peak`), is the loss.
+fn without_last_block(chain: &Chain, between: u64, second_peak: u64) -> Chain {
+    let len = chain.len() - 1;
+    Chain {
+        sizes: chain.sizes[..=len].to_vec(),
+        deltas: (0..=len).map(|i| chain.delta(i)).collect(),
+        blocks: chain.blocks[..len].to_vec(),
+        extra_bytes: chain.extra_bytes + between,
+        loss_bytes: second_peak,
+    }
 }
 
 /// The groups of a backward after a forward that ran every group, less the forward groups that
