@@ -1,7 +1,8 @@
 """A language model with its loss inside (``labels=``) and tied embeddings, trained the way its
 users write it: ``rm(**batch).loss.backward()`` drops the logits once the loss is read, the logits
 get no gradient, and the tied weight's gradient parts are summed. The plan sees all three, so its
-prediction is the measured peak, and its smallest budget is under checkpointing's peak."""
+prediction is the measured peak, and its smallest budget is under checkpointing's peak; there the
+loss's backward runs first and the step recomputes at most two forwards."""
 
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ def test_loss_inside_is_planned_as_measured(hold: bool) -> None:
         assert peak <= budget, (budget, peak)
         assert abs(peak - predicted) <= 0.01 * peak, (predicted, peak)
         assert_close_grads(grads, plain_grads, rtol=1e-4, atol=1e-6)
+        if budget == probe.plan.min_budget:  # the loss's backward first: the solver's own plan, no cliff
+            forward = sum(n["time"] for n in rm.graph["nodes"] if n["phase"] == "forward")
+            assert rm.plan.schedule.solver.status != "fallback"
+            assert rm.plan.schedule.predicted.recomputed_time <= 2 * forward
     assert probe.plan.plain_peak <= plain_peak * 1.01
 
 
