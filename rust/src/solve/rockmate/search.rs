@@ -213,10 +213,10 @@ fn after_loss(
 
 /// The fastest schedule within `budget`, if one is found, whose forward keeps nothing to the
 /// loss and whose backward starts with a first part of the last block's backward, up to its first
-/// read of the block's input ([`block::split_at`]: the loss's backward), then runs the DP's
-/// sequence from the input ([`dp::Solver::after_loss`]) over the chain without the last block,
-/// whose loss is the rest of the last block (its forward groups the rest reads, made again from
-/// the block's input, and the rest of its backward). A loss inside the model may peak in its own
+/// read of the block's input ([`block::split_at`]: the loss's backward), then runs rotor's
+/// recurrence from the input (`T(m, 0, L-1)`, [`dp::Solver::solve`]) over the chain without the
+/// last block, whose loss is the rest of the last block (its forward groups the rest reads, made
+/// again from the block's input, and the rest of its backward). A loss inside the model may peak in its own
 /// backward (GPT-2's cross-entropy over its vocabulary: the logits, the log-softmax, its gradient
 /// and the logits' gradient), where the DP's own sequences hold the last block's input or a
 /// checkpoint besides; once that part has run the step needs far less, and the rest recomputes
@@ -265,7 +265,12 @@ fn loss_backward_first(
                     .chain(second.iter().copied())
                     .chain(again(sg, after))
                     .collect();
-                let schedule = composed_schedule(graph, sg, &forward, &backward)?;
+                // A cut whose parts do not compose into a schedule that replays is no candidate.
+                let schedule = match composed_schedule(graph, sg, &forward, &backward) {
+                    Ok(schedule) => schedule,
+                    Err(crate::Error::Schedule(_)) => break,
+                    Err(e) => return Err(e),
+                };
                 let report = schedule.predicted.expect("simulated");
                 if report.peak_bytes <= budget {
                     let faster = |b: &Schedule| report.time < b.predicted.expect("simulated").time;
