@@ -185,9 +185,7 @@ const LOSS_FIRST_BAND: u64 = 50;
 /// The schedule whose forward keeps nothing to the loss and whose backward runs the DP's sequence
 /// from the input ([`dp::Solver::after_loss`]) within `budget`, if one is found: its loss peaks
 /// at the smallest budget's height, where the DP's own sequences hold a checkpoint or a block's
-/// input. The backward's limit starts at the budget and is lowered by what the backward went
-/// over it (the chain's model of the backward is coarser than the schedule's), a few times at
-/// most.
+/// input. The limit is searched by [`lowering_the_limit`].
 fn after_loss(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -196,13 +194,28 @@ fn after_loss(
     budget: u64,
 ) -> Result<Option<Schedule>> {
     let forward: Vec<usize> = hierarchy.partition.forward.concat();
-    let mut limit = budget;
-    for _ in 0..AFTER_LOSS_TRIES {
+    lowering_the_limit(budget, |limit| {
         let Some(ops) = solver.after_loss(limit)? else {
-            break;
+            return Ok(None);
         };
         let backward = again(sg, hierarchy.groups_of(&ops).0);
-        let schedule = composed_schedule(graph, sg, &forward, &backward)?;
+        composed_schedule(graph, sg, &forward, &backward).map(Some)
+    })
+}
+
+/// The schedule `compose` makes at a DP limit, if one fits `budget`: the limit starts at the
+/// budget and is lowered by what the schedule's backward went over it (the chain's model of the
+/// backward is coarser than the schedule's), [`AFTER_LOSS_TRIES`] times at most. `compose` gives
+/// `None` where it has no schedule at that limit.
+fn lowering_the_limit(
+    budget: u64,
+    mut compose: impl FnMut(u64) -> Result<Option<Schedule>>,
+) -> Result<Option<Schedule>> {
+    let mut limit = budget;
+    for _ in 0..AFTER_LOSS_TRIES {
+        let Some(schedule) = compose(limit)? else {
+            break;
+        };
         let report = schedule.predicted.expect("simulated");
         if report.peak_bytes <= budget {
             return Ok(Some(schedule));
@@ -221,14 +234,13 @@ fn after_loss(
 /// read of the block's input ([`block::split_at`]: the loss's backward), then runs rotor's
 /// recurrence from the input (`T(m, 0, L-1)`, [`dp::Solver::solve`]) over the chain without the
 /// last block, whose loss is the rest of the last block (its forward groups the rest reads, made
-/// again from the block's input, and the rest of its backward). A loss inside the model may peak in its own
-/// backward (GPT-2's cross-entropy over its vocabulary: the logits, the log-softmax, its gradient
-/// and the logits' gradient), where the DP's own sequences hold the last block's input or a
-/// checkpoint besides; once that part has run the step needs far less, and the rest recomputes
-/// from the input with the DP's checkpoints instead of from the input at each block, as the
-/// heuristic's fallback does. Each cut of each option of the last block is tried; per cut, the
-/// limit starts at the budget and is lowered by what the schedule went over it, as in
-/// [`after_loss`].
+/// again from the block's input, and the rest of its backward). A loss inside the model may peak
+/// in its own backward (GPT-2's cross-entropy over its vocabulary: the logits, the log-softmax,
+/// its gradient and the logits' gradient), where the DP's own sequences hold the last block's
+/// input or a checkpoint besides; once that part has run the step needs far less, and the rest
+/// recomputes from the input with the DP's checkpoints instead of from the input at each block,
+/// as the heuristic's fallback does. Each cut of each option of the last block is tried, its
+/// limit searched by [`lowering_the_limit`].
 fn loss_backward_first(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -254,13 +266,12 @@ fn loss_backward_first(
             let (_, _, between, second_peak) = block::split_cost(sub, plan, cut);
             let chain = without_last_block(&hierarchy.chain, between, second_peak);
             let solver = dp::Solver::new(&chain, slots)?;
-            let mut limit = budget;
-            for _ in 0..AFTER_LOSS_TRIES {
+            let found = lowering_the_limit(budget, |limit| {
                 // The DP's own recurrence over the chain without the last block: its loss is the
                 // rest of the last block, run once the chain's output is made again.
                 let ops = match solver.solve(limit) {
                     Ok(sequence) => sequence.ops,
-                    Err(crate::Error::Infeasible { .. }) => break,
+                    Err(crate::Error::Infeasible { .. }) => return Ok(None),
                     Err(e) => return Err(e),
                 };
                 let (to_loss, after) = hierarchy.groups_of(&ops);
@@ -271,23 +282,16 @@ fn loss_backward_first(
                     .chain(again(sg, after))
                     .collect();
                 // A cut whose parts do not compose into a schedule that replays is no candidate.
-                let schedule = match composed_schedule(graph, sg, &forward, &backward) {
-                    Ok(schedule) => schedule,
-                    Err(crate::Error::Schedule(_)) => break,
-                    Err(e) => return Err(e),
-                };
-                let report = schedule.predicted.expect("simulated");
-                if report.peak_bytes <= budget {
-                    let faster = |b: &Schedule| report.time < b.predicted.expect("simulated").time;
-                    if best.as_ref().is_none_or(faster) {
-                        best = Some(schedule);
-                    }
-                    break;
+                match composed_schedule(graph, sg, &forward, &backward) {
+                    Ok(schedule) => Ok(Some(schedule)),
+                    Err(crate::Error::Schedule(_)) => Ok(None),
+                    Err(e) => Err(e),
                 }
-                let over = report.backward_peak_bytes.saturating_sub(budget);
-                match limit.checked_sub(over) {
-                    Some(lower) if report.forward_peak_bytes <= budget && over > 0 => limit = lower,
-                    _ => break,
+            })?;
+            let time = |s: &Schedule| s.predicted.expect("simulated").time;
+            if let Some(schedule) = found {
+                if best.as_ref().is_none_or(|b| time(&schedule) < time(b)) {
+                    best = Some(schedule);
                 }
             }
         }
