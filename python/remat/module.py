@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _core, plain
 from .amp import autocast_state
-from .boundary import THE_LOSS, After, Outside
+from .boundary import THE_LOSS, After, Outside, output_bytes
 from .capture import flatten_inputs, unflatten_inputs
 from .errors import (
     CaptureError,
@@ -482,10 +482,14 @@ class Remat(nn.Module):
         current = planned.plan
         loss_over = measured.loss_bytes - current.outside.loss_bytes
         held_over = measured.held_bytes - current.outside.held_bytes
-        # The plan stands where it fits and wastes little of the budget.
-        same_outputs = (measured.no_grad, measured.released) == (current.outside.no_grad, current.outside.released)
+        # The plan stands where it fits and wastes little of the budget: outputs it holds through
+        # the backward that the step released (a small output, the loss read from it) are room
+        # it leaves unused there.
+        newly_released = measured.released - current.outside.released
+        same_outputs = measured.no_grad == current.outside.no_grad and current.outside.released <= measured.released
         if same_outputs and max(loss_over, held_over) <= current.slack() and not planned.provisional:
-            if min(loss_over, held_over) >= -0.01 * current.budget:
+            unused = held_over - output_bytes(planned.base, newly_released)
+            if min(loss_over, unused) >= -0.01 * current.budget:
                 planned.complete(self._options)
                 return
         t0 = time.perf_counter()
