@@ -180,48 +180,33 @@ fn recomputing(
     budget: u64,
     options: &PlanOptions,
 ) -> Result<(Schedule, SolverStatus, Option<u64>)> {
+    // The hierarchy's plan (per-block ILPs, then the DP) does not need the heuristic: it runs on
+    // a second thread meanwhile. `None`: no hierarchy (Checkmate's path, which does).
     let hierarchy_options = options.hierarchy();
-    let hierarchical = || -> Result<Option<Found>> {
-        let Some(hierarchy) = hierarchy_of(graph, sg, options, &hierarchy_options)? else {
-            return Ok(None);
-        };
-        // Both partitions' schedules, each with its hierarchy's status, chosen among at once.
-        let joined = rockmate::candidates(graph, sg, &hierarchy, budget, &hierarchy_options)?;
-        let mut found = Found::default();
-        found.add(joined, hierarchy.status);
-        let fine = rockmate::finer_partition(sg, &hierarchy_options, &hierarchy.partition);
-        if let Some(fine) = fine {
-            let fine = Hierarchy::reusing(graph, sg, fine, &hierarchy_options, Some(&hierarchy))?;
-            let more = rockmate::candidates(graph, sg, &fine, budget, &hierarchy_options)?;
-            found.add(more, fine.status);
-        }
-        Ok(Some(found))
-    };
-    let (fallback, hierarchical) = if options.solver == Solver::Rockmate {
-        // Rockmate's options hold the keep-set family of each block, and its schedules are
-        // faster than the heuristic's wherever one fits (`docs/decisions.md`, "The heuristic
-        // after Rockmate"): the heuristic runs only where none does, and the per-block ILPs have
-        // the cores to themselves.
-        match hierarchical()? {
-            Some(found) if !found.is_empty() => {
-                let lowest = found.lowest;
-                let (schedule, status) = found.chosen().expect("a schedule within the budget");
-                return Ok((schedule, status, lowest));
+    let (fallback, hierarchical) = std::thread::scope(|scope| {
+        let hierarchical = scope.spawn(|| {
+            let Some(hierarchy) = hierarchy_of(graph, sg, options, &hierarchy_options)? else {
+                return Ok(None);
+            };
+            // Both partitions' schedules, each with its hierarchy's status, chosen among at once.
+            let joined = rockmate::candidates(graph, sg, &hierarchy, budget, &hierarchy_options)?;
+            let mut found = Found::default();
+            found.add(joined, hierarchy.status);
+            let fine = rockmate::finer_partition(sg, &hierarchy_options, &hierarchy.partition);
+            if let Some(fine) = fine {
+                let fine =
+                    Hierarchy::reusing(graph, sg, fine, &hierarchy_options, Some(&hierarchy))?;
+                let more = rockmate::candidates(graph, sg, &fine, budget, &hierarchy_options)?;
+                found.add(more, fine.status);
             }
-            found => (heuristic(graph, sg, budget, store), Ok(found)),
-        }
-    } else {
-        // rotor's hierarchy (one option per block) does not need the heuristic: it runs on a
-        // second thread meanwhile. `None`: no hierarchy (Checkmate's path, which does).
-        std::thread::scope(|scope| {
-            let hierarchical = scope.spawn(hierarchical);
-            let fallback = heuristic(graph, sg, budget, store);
-            let hierarchical: Result<_> = hierarchical
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            (fallback, hierarchical)
-        })
-    };
+            Ok(Some(found))
+        });
+        let fallback = heuristic(graph, sg, budget, store);
+        let hierarchical: Result<_> = hierarchical
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (fallback, hierarchical)
+    });
     let hierarchical = hierarchical?;
     let fallback = match fallback {
         Ok(fallback) => fallback,
@@ -284,10 +269,6 @@ struct Found {
 }
 
 impl Found {
-    fn is_empty(&self) -> bool {
-        self.grid.is_empty() && self.near.is_empty()
-    }
-
     fn add(&mut self, found: rockmate::Found, status: SolverStatus) {
         self.lowest = [self.lowest, found.lowest].into_iter().flatten().min();
         self.grid
