@@ -6,12 +6,14 @@ on each layer), remat at checkpointing's measured peak and remat at its smallest
 gives the measured activation peak (``remat.testing.measure_step``, the loss outside the model
 included; GPT-2 small computes its own, ``labels=``), remat's predicted peak and recomputation,
 and the step time as a ratio to plain PyTorch's and to checkpointing's, medians of steps
-alternated with theirs in one process (random weights). ``--compile``: plain PyTorch and the
+alternated with theirs in one process (random weights). ``--device cuda``: models and inputs
+on the GPU, each step timed to its end (``torch.cuda.synchronize``). ``--compile``: plain PyTorch and the
 checkpointed model under ``torch.compile``, remat with ``compile=True``.
 
     .venv/bin/python benches/low_budget.py                        # every model
     .venv/bin/python benches/low_budget.py --models gpt2_6l --steps 3
     .venv/bin/python benches/low_budget.py --models gpt2_6l --compile
+    python benches/low_budget.py --device cuda                    # on a GPU
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ MODELS: dict[str, Callable[[], Case]] = {
 
 
 def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -> Callable[[], None]:
+    cuda = next(case.model.parameters()).is_cuda
+
     def step() -> None:
         case.model.zero_grad(set_to_none=True)  # the gradients the step makes are its .grad, not counted
         if checkpointing:
@@ -158,6 +162,8 @@ def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -
         finally:
             if checkpointing:
                 case.switch(False)
+        if cuda:
+            torch.cuda.synchronize()  # the step's time is its kernels', not their launches'
 
     return step
 
@@ -212,9 +218,10 @@ def _row(label: str, rm, step, measured: int | None, floor: int, plain, checkpoi
     return (label, measured, p.step_peak_bytes, recomputing, *ratios)
 
 
-def run(name: str, steps: int, compile: bool = False) -> list[str]:
+def run(name: str, steps: int, compile: bool = False, device: str = "cpu") -> list[str]:
     torch.manual_seed(0)
-    case = MODELS[name]()
+    with torch.device(device):
+        case = MODELS[name]()
     compiled = torch.compile if compile else lambda f: f
     plain = _step(compiled(case.model), case)
     rows = [("plain PyTorch", _peak(plain, case), None, None, 1.0, None)]
@@ -252,10 +259,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile, and remat with compile=True")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     for name in args.models:
-        print("\n".join(run(name, args.steps, args.compile)), flush=True)
-    print(f"CPU, {torch.get_num_threads()} threads")
+        print("\n".join(run(name, args.steps, args.compile, args.device)), flush=True)
+    cuda = torch.device(args.device).type == "cuda"
+    print(torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 import remat
 import torch
 from helpers import assert_close_grads, call
+from remat.memory import allocated_bytes
 from zoo import ZOO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -47,7 +48,7 @@ def test_zoo_on_cuda_keeps_the_budget(name: str) -> None:
         case = ZOO[name]()
     model = case.model
     buffers = {k: v.clone() for k, v in model.named_buffers()}
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    grad_bytes = sum(allocated_bytes(p.numel() * p.element_size(), p.device) for p in model.parameters())
 
     def reset() -> None:
         with torch.no_grad():

@@ -16,6 +16,7 @@ import remat
 import torch
 from helpers import assert_close_grads, run_step
 from remat.graph import JointGraph
+from remat.memory import CUDA_BLOCK, allocated_bytes
 from remat.profile import _Run, profile
 from remat.trace import captured, graph_inputs, sample_tangents
 from torch import nn
@@ -42,6 +43,19 @@ class _Dropouts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+
+def test_a_storage_on_cuda_takes_whole_blocks_of_the_caching_allocator() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [allocated_bytes(n, cuda) for n in (0, 1, 4, CUDA_BLOCK, CUDA_BLOCK + 1, 3 * 2**20 + 7)] == [
+        0,
+        CUDA_BLOCK,
+        CUDA_BLOCK,
+        CUDA_BLOCK,
+        2 * CUDA_BLOCK,
+        3 * 2**20 + CUDA_BLOCK,
+    ]
+    assert [allocated_bytes(n, cpu) for n in (0, 1, 513)] == [0, 1, 513]
 
 
 def test_gradients_summed_into_grad_are_gradients() -> None:

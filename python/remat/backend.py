@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from .boundary import After
 from .errors import CaptureError, InfeasibleBudget
+from .memory import allocated_bytes
 from .module import Remat, Solver, check_budget
 from .planner import DEFAULTS
 
@@ -403,7 +404,7 @@ def _activation_bytes(inputs: tuple, only: set[int] | None = None) -> int:
     for i, t in enumerate(inputs):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None and (only is None or i in only):
             storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage.data_ptr()] = allocated_bytes(storage.nbytes(), t.device)
     return sum(storages.values())
 
 

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from .capture import Captured
 from .graph import JointGraph, Value, build_graph
+from .memory import allocated_bytes
 from .sizes import as_nodes, same_shape
 
 # Tensors of an output's size that a usual loss holds at once, the most of those measured:
@@ -132,7 +133,7 @@ def output_bytes(g: JointGraph, indices: frozenset[int], at: tuple[int, ...] | N
     for i in indices:
         v = g.values[values[i]]
         t = v.source.meta["val"] if v.index is None else v.source.meta["val"][v.index]
-        total += int(g.sizes.at(t.numel() * t.element_size(), at))
+        total += allocated_bytes(int(g.sizes.at(t.numel() * t.element_size(), at)), t.device)
     return total
 
 
@@ -149,7 +150,7 @@ def estimated_outside(
 
 def _nbytes(g: JointGraph, val, index: int | None) -> int:
     t = val if index is None else val[index]
-    return g.concrete(t.numel() * t.element_size())
+    return allocated_bytes(g.concrete(t.numel() * t.element_size()), t.device)
 
 
 def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
@@ -362,7 +363,7 @@ class NewStorages(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or is_fake(t):
                 continue
             storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            ptr, nbytes = storage.data_ptr(), allocated_bytes(storage.nbytes(), t.device)
             if not nbytes or ptr in inputs:
                 continue
             known = self.live.get(ptr)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .errors import DeviceMismatch, NotSequential
-from .memory import Allocations, peak, storage_ptrs
+from .memory import Allocations, allocated_bytes, peak, storage_ptrs
 from .rng import rng_state_bytes, save_rng_state
 
 
@@ -145,7 +145,7 @@ def device_name(device: torch.device) -> str:
 
 
 def _bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return allocated_bytes(t.untyped_storage().nbytes(), t.device)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

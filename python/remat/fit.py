@@ -26,7 +26,7 @@ from .amp import no_autocast
 from .boundary import loss_room
 from .executor import Phases, held_bytes
 from .graph import JointGraph
-from .memory import Allocations, peak, storage_ptrs
+from .memory import Allocations, allocated_bytes, peak, storage_ptrs
 from .planner import Planner
 from .schedule import Schedule
 from .trace import graph_inputs, sample_tangents
@@ -87,7 +87,7 @@ def measured_peak(
         # outputs hold beyond the prediction is held until the backward
         inputs_held = {x.untyped_storage().data_ptr() for x in inputs.values()}
         handed = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            t.untyped_storage().data_ptr(): allocated_bytes(t.untyped_storage().nbytes(), t.device)
             for t in result
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs_held
         }

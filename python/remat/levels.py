@@ -28,8 +28,11 @@ import json
 import math
 from typing import Any
 
+import torch
+
 from .boundary import differentiable_outputs
 from .graph import JointGraph
+from .memory import allocated_bytes
 from .profile import value_meta
 from .sizes import Sizes, storage_expr
 
@@ -40,14 +43,15 @@ SMALLEST = 1 / 4
 
 
 def scaled_json(g: JointGraph, values: tuple[int, ...], loss_ratio: float) -> str:
-    """``g``'s graph file at ``values`` of its symbols: each value's bytes, and each op's time
-    scaled by the bytes it reads and writes; ``loss_ratio``: the loss room's scale (:func:`loss_ratio`)."""
+    """``g``'s graph file at ``values`` of its symbols: each value's bytes (whole blocks of the
+    allocator on CUDA), and each op's time scaled by the bytes it reads and writes;
+    ``loss_ratio``: the loss room's scale (:func:`loss_ratio`)."""
     sizes = g.sizes
     assert sizes is not None
     data = g.to_dict()
     ratio = [_value_ratio(g, sizes, v, values, loss_ratio) for v in g.values]
-    for v, ratio_v in zip(data["values"], ratio):
-        v["bytes"] = math.ceil(v["bytes"] * ratio_v)
+    for v, value, ratio_v in zip(data["values"], g.values, ratio):
+        v["bytes"] = allocated_bytes(math.ceil(v["bytes"] * ratio_v), _device(g, value))
     for n, node in zip(data["nodes"], g.nodes):
         moved = [_storage(g, g.values[v]) for v in (*node.inputs, *node.outputs)]
         top = sum(sizes.at(m) for m in moved)
@@ -92,6 +96,11 @@ def _storage(g: JointGraph, v: Any) -> Any:
     if v.name == "held_by_the_loss" or _is_loss_room(v):
         return 0
     return storage_expr(value_meta(g, v))
+
+
+def _device(g: JointGraph, v: Any) -> torch.device:
+    meta = value_meta(g, v)
+    return meta.device if isinstance(meta, torch.Tensor) else torch.device("cpu")
 
 
 def _output_expr(g: JointGraph, v: Any) -> Any:

@@ -15,6 +15,18 @@ from torch.profiler import record_function
 
 from .errors import RematError
 
+# The CUDA caching allocator hands out whole blocks of this many bytes (one at least): a storage
+# takes its bytes rounded up to them, and the allocator's events and peaks count the blocks.
+CUDA_BLOCK = 512
+
+
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """What a storage of ``nbytes`` takes from ``device``'s allocator: whole ``CUDA_BLOCK``s on
+    CUDA (nothing for an empty storage), its own bytes elsewhere."""
+    if device.type != "cuda" or not nbytes:
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+
 
 class Allocations:
     """Every allocation and release of memory by PyTorch's allocators while entered, in order,

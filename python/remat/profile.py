@@ -5,7 +5,8 @@ also guesses times from the bytes and FLOPs of each op), so a schedule can be pl
 anything runs. :func:`profile` then runs the graph on real tensors, in plain order or under such a
 schedule, so that profiling holds no more than the schedule does.
 
-On CUDA: CUDA events (median of up to three runs) and the allocator's peak for temporaries. On
+On CUDA: CUDA events (median of up to three runs), the allocator's peak for temporaries, and
+each storage's bytes as the allocator's whole blocks (``memory.allocated_bytes``). On
 CPU: ``time.perf_counter``, and temporaries from the allocators' events (``memory.Allocations``)
 while the op runs, as CPU kernels allocate scratch that no tensor shows (dropout's float mask is
 as large as its input). Early in a process, memory the allocator takes from the system faults
@@ -37,7 +38,7 @@ from .capture import ACCUMULATES
 from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
-from .memory import Allocations, peak, profiler_running
+from .memory import Allocations, allocated_bytes, peak, profiler_running
 from .schedule import Op, Schedule
 from .sizes import map_sizes
 
@@ -88,7 +89,7 @@ def _fake_storage(g: JointGraph, v) -> tuple[Any, int]:
     """A key for the storage of the value's fake tensor, and its bytes."""
     t = value_meta(g, v)
     key = t.untyped_storage()._cdata if v.source.op == "get_attr" else storage_keys(v.source)[v.index or 0]
-    return key, g.concrete(t.untyped_storage().nbytes())
+    return key, allocated_bytes(g.concrete(t.untyped_storage().nbytes()), t.device)
 
 
 def _estimated_time(g: JointGraph, n) -> float:
@@ -201,7 +202,7 @@ class _Run:
             return 0
         self.holders[t.untyped_storage().data_ptr()] += 1
         storage = t.untyped_storage()
-        new = _claim(self.g.values[vid], storage.data_ptr(), storage.nbytes(), self.owner_of)
+        new = _claim(self.g.values[vid], storage.data_ptr(), allocated_bytes(storage.nbytes(), t.device), self.owner_of)
         return new if count else 0
 
     def drop(self, vid: int) -> None:
@@ -294,7 +295,8 @@ class _Run:
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
             param = self.relayout.get(vid)
             if param is not None and not obeys_layout(self.env[vid], param.shape, param.stride()):
-                node.temp_bytes += self.env[vid].untyped_storage().nbytes()
+                copy = self.env[vid]
+                node.temp_bytes += allocated_bytes(copy.untyped_storage().nbytes(), copy.device)
         for vid in self.unread_grads.intersection(node.outputs):
             self.drop(vid)
 
