@@ -18,6 +18,7 @@ and for more where it leaves room (``module._fitted``).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -61,6 +62,16 @@ def _holds_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() >= extent * t.element_size()
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A plan's compiled phases, measured (:func:`measure`), in bytes."""
+
+    forward: int  # the forward phase's peak
+    excess: int  # what the forward's outputs hold beyond their predicted bytes
+    backward: int  # the backward phase's peak above its start, its gradients excluded
+    step: int  # the step's peak (see the module's docstring)
+
+
 def measured_peak(
     g: JointGraph,
     planner: Planner,
@@ -69,8 +80,20 @@ def measured_peak(
     inputs: dict[int, torch.Tensor],
     no_grad: frozenset[int],
 ) -> int:
-    """The step peak of ``schedule``'s compiled ``phases`` (see the module's docstring), in bytes;
-    ``no_grad``: the outputs planned without a gradient. Compiles the phases first if need be."""
+    """The step peak of ``schedule``'s compiled ``phases`` (:func:`measure`), in bytes."""
+    return measure(g, planner, schedule, phases, inputs, no_grad).step
+
+
+def measure(
+    g: JointGraph,
+    planner: Planner,
+    schedule: Schedule,
+    phases: Phases,
+    inputs: dict[int, torch.Tensor],
+    no_grad: frozenset[int],
+) -> Measured:
+    """``schedule``'s compiled ``phases`` measured (see the module's docstring); ``no_grad``: the
+    outputs planned without a gradient. Compiles the phases first if need be."""
     predicted = schedule.predicted
     devices = sorted({t.device for t in inputs.values() if t.device.type == "cuda"}, key=str)
     sizes = [g.sizes.evaluate(g.sizes.bound)] if phases.sized and g.sizes is not None else []
@@ -109,7 +132,7 @@ def measured_peak(
         _loss_peak(g, planner, schedule) + excess,
         predicted.backward_start_bytes + excess + backward,
     )
-    return max(forward, *ends)
+    return Measured(forward, excess, backward, max(forward, *ends))
 
 
 def _loss_peak(g: JointGraph, planner: Planner, schedule: Schedule) -> int:

@@ -2,8 +2,10 @@
 
 The phase keeps the planned order of its ops: each phase is one Inductor graph whose inputs are
 the values the plan hands it, and Inductor's own reordering for peak memory is off, so
-recomputations stay where the plan put them. Inductor fuses chains of pointwise ops and reuses
-dying buffers, which only removes intermediate tensors from what the plan counted.
+recomputations stay where the plan put them. Inductor fuses chains of pointwise ops, which only
+removes intermediate tensors from what the plan counted. Its buffer reuse is off: the code it
+generates keeps a dead buffer allocated until a later buffer of the same size takes it over,
+holding memory the plan freed (a 1 MiB FFN activation across a transformer layer's backward).
 Compiling sees fake tensors only: it holds no memory of the step.
 
 A compiled plan is planned with each op's time as Inductor's code takes it (``compiled_times``):
@@ -158,7 +160,10 @@ def _compile(
         env = dict(zip(sizes.symbols, symbols))
         return gm(*full, tuple(sympy_interp(PythonReferenceAnalysis, env, e) for e in sizes.exprs))
 
-    with torch.no_grad(), inductor_config.patch(reorder_for_peak_memory=False, fallback_random=True):
+    with (
+        torch.no_grad(),
+        inductor_config.patch(reorder_for_peak_memory=False, fallback_random=True, allow_buffer_reuse=False),
+    ):
         trace = make_fx(phase, decomposition_table=select_decomp_table(), tracing_mode="fake")
         if symbolic:
             assert sizes is not None
