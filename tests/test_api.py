@@ -173,6 +173,23 @@ def test_uncapturable_model_raises_capture_error() -> None:
         remat.Remat(DataDependent(), torch.randn(2, 4), 0.5)
 
 
+class Branching(nn.Module):
+    """``torch.cond``: an op that runs a graph of its own for each branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.cond(h.sum() > 0, lambda t: t.relu(), lambda t: t.tanh(), (h,))
+
+
+def test_an_op_running_a_graph_of_its_own_raises_capture_error_by_name() -> None:
+    with pytest.raises(remat.CaptureError, match=r"Branching holds ops that run graphs of their own \(cond\)"):
+        remat.Remat(Branching(), torch.randn(2, 4), 0.5)
+
+
 def test_bad_arguments_raise_value_errors() -> None:
     model, sample = mlp()
     with pytest.raises(ValueError, match="solver"):

@@ -113,6 +113,7 @@ def capture(
     gm, placeholders, bindings, outputs, output_bindings, out_spec, sizes = joint
     _, in_spec, consts = flatten_inputs(args, kwargs)
     _check_no_collectives(gm, type(model).__name__)
+    _check_no_function_graphs(gm, type(model).__name__)
     _sum_tied_grads(model, gm, outputs, output_bindings)
     _drop_running_stats_from_batch_norm_backward(gm)
     _views_as_reshapes(gm)
@@ -181,6 +182,19 @@ def _check_no_collectives(gm: fx.GraphModule, name: str) -> None:
             "graphs without collectives: keep them out of the graph (with FSDP2, leave "
             "torch._dynamo.config.skip_fsdp_hooks at True, so that its gathers run between remat's graphs; "
             "wrap DistributedDataParallel around remat.Remat), or use torch.utils.checkpoint"
+        )
+
+
+def _check_no_function_graphs(gm: fx.GraphModule, name: str) -> None:
+    """``CaptureError`` for a graph whose ops run graphs of their own (``torch.cond``, ``while_loop``,
+    ``associative_scan`` on CUDA): remat plans and runs ATen ops, one tensor value at a time."""
+    subgraphs = {n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target), nn.Module)}
+    found = sorted({str(user.target) for n in subgraphs for user in n.users})
+    if found:
+        raise CaptureError(
+            f"the graph of {name} holds ops that run graphs of their own ({', '.join(found)}), which remat "
+            "cannot plan: wrap the modules around them with torch.utils.checkpoint, or keep them out of the "
+            "model remat wraps"
         )
 
 
