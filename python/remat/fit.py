@@ -72,18 +72,6 @@ class Measured:
     step: int  # the step's peak (see the module's docstring)
 
 
-def measured_peak(
-    g: JointGraph,
-    planner: Planner,
-    schedule: Schedule,
-    phases: Phases,
-    inputs: dict[int, torch.Tensor],
-    no_grad: frozenset[int],
-) -> int:
-    """The step peak of ``schedule``'s compiled ``phases`` (:func:`measure`), in bytes."""
-    return measure(g, planner, schedule, phases, inputs, no_grad).step
-
-
 def measure(
     g: JointGraph,
     planner: Planner,

@@ -32,7 +32,7 @@ from .boundary import (
 from .capture import flatten_inputs, unflatten_inputs
 from .errors import InfeasibleBudget, PlanFileError, RematError
 from .executor import Phases, build_phases, held_bytes
-from .fit import PlanInputs, measured_peak
+from .fit import PlanInputs, measure
 from .graph import JointGraph
 from .inductor import compiled_times
 from .memory import profiler_running
@@ -706,7 +706,7 @@ def _compiled_peak(
     """The step peak of ``schedule``'s compiled ``phases``, measured (logged beside the
     prediction), with what the executor holds beside the values."""
     t0 = time.perf_counter()
-    measured = measured_peak(g, planner, schedule, phases, tensors, no_grad) + schedule.predicted.beside_bytes
+    measured = measure(g, planner, schedule, phases, tensors, no_grad).step + schedule.predicted.beside_bytes
     predicted = schedule.predicted.step_peak_bytes
     log.info(
         "compiled and measured a plan in %.2f s: %d bytes (predicted %d)", time.perf_counter() - t0, measured, predicted
