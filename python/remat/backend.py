@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 
 from .boundary import After
 from .errors import CaptureError, InfeasibleBudget
-from .memory import allocated_bytes
+from .memory import storage_bytes
 from .module import Remat, Solver, check_budget
 from .planner import DEFAULTS
 
@@ -403,8 +403,7 @@ def _activation_bytes(inputs: tuple, only: set[int] | None = None) -> int:
     storages = {}
     for i, t in enumerate(inputs):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None and (only is None or i in only):
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = allocated_bytes(storage.nbytes(), t.device)
+            storages[t.untyped_storage().data_ptr()] = storage_bytes(t)
     return sum(storages.values())
 
 

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from .capture import Captured
 from .graph import JointGraph, Value, build_graph
-from .memory import allocated_bytes
+from .memory import allocated_bytes, storage_bytes
 from .sizes import as_nodes, same_shape
 
 # Tensors of an output's size that a usual loss holds at once, the most of those measured:
@@ -363,7 +363,7 @@ class NewStorages(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or is_fake(t):
                 continue
             storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), allocated_bytes(storage.nbytes(), t.device)
+            ptr, nbytes = storage.data_ptr(), storage_bytes(t)
             if not nbytes or ptr in inputs:
                 continue
             known = self.live.get(ptr)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .errors import DeviceMismatch, NotSequential
-from .memory import Allocations, allocated_bytes, peak, storage_ptrs
+from .memory import Allocations, peak, storage_bytes, storage_ptrs
 from .rng import rng_state_bytes, save_rng_state
 
 
@@ -144,12 +144,8 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return allocated_bytes(t.untyped_storage().nbytes(), t.device)
-
-
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and _bytes(a) > 0
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and storage_bytes(a) > 0
 
 
 @dataclass
@@ -271,9 +267,9 @@ def _measure_block(block: Block, x: torch.Tensor, repeat: int) -> tuple[dict[str
         box = [torch.ones_like(y)]
         with Allocations.label("b"):
             backward_from(y, box)
-        out_bytes, y_bytes = _bytes(x_next), _bytes(y)
+        out_bytes, y_bytes = storage_bytes(x_next), storage_bytes(y)
         grad_ptrs = storage_ptrs(p.grad for p in params)
-        dx_bytes = _bytes(x_in.grad) if x_in.grad is not None else 0
+        dx_bytes = storage_bytes(x_in.grad) if x_in.grad is not None else 0
         del x_in, y
     deltas = record.deltas
     fn_temp = peak(deltas, set(), *record.span("fn")) - out_bytes
@@ -336,7 +332,7 @@ class _SeedGrad(torch.autograd.Function):
 
 def _buffer_bytes(block: Block) -> int:
     """Copies of the updated buffers that a replay keeps to restore them."""
-    return sum(_bytes(b) for b in block.buffers)
+    return sum(storage_bytes(b) for b in block.buffers)
 
 
 def _best_time(fn: Callable[[], Any], repeat: int, cuda: bool, grad: bool) -> float:

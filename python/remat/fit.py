@@ -27,7 +27,7 @@ from .amp import no_autocast
 from .boundary import loss_room
 from .executor import Phases, held_bytes
 from .graph import JointGraph
-from .memory import Allocations, allocated_bytes, peak, storage_ptrs
+from .memory import Allocations, peak, storage_bytes, storage_ptrs
 from .planner import Planner
 from .schedule import Schedule
 from .trace import graph_inputs, sample_tangents
@@ -98,7 +98,7 @@ def measure(
         # outputs hold beyond the prediction is held until the backward
         inputs_held = {x.untyped_storage().data_ptr() for x in inputs.values()}
         handed = {
-            t.untyped_storage().data_ptr(): allocated_bytes(t.untyped_storage().nbytes(), t.device)
+            t.untyped_storage().data_ptr(): storage_bytes(t)
             for t in result
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs_held
         }

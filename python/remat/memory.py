@@ -28,6 +28,11 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
     return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
 
 
+def storage_bytes(t: torch.Tensor) -> int:
+    """What ``t``'s storage takes from its allocator (:func:`allocated_bytes`)."""
+    return allocated_bytes(t.untyped_storage().nbytes(), t.device)
+
+
 class Allocations:
     """Every allocation and release of memory by PyTorch's allocators while entered, in order,
     from the profiler's memory events: they see the buffers an op allocates inside it and the

@@ -38,7 +38,7 @@ from .capture import ACCUMULATES
 from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
-from .memory import Allocations, allocated_bytes, peak, profiler_running
+from .memory import Allocations, allocated_bytes, peak, profiler_running, storage_bytes
 from .schedule import Op, Schedule
 from .sizes import map_sizes
 
@@ -202,7 +202,7 @@ class _Run:
             return 0
         self.holders[t.untyped_storage().data_ptr()] += 1
         storage = t.untyped_storage()
-        new = _claim(self.g.values[vid], storage.data_ptr(), allocated_bytes(storage.nbytes(), t.device), self.owner_of)
+        new = _claim(self.g.values[vid], storage.data_ptr(), storage_bytes(t), self.owner_of)
         return new if count else 0
 
     def drop(self, vid: int) -> None:
@@ -295,8 +295,7 @@ class _Run:
         for vid in node.outputs:  # a gradient the executor copies into its parameter's layout
             param = self.relayout.get(vid)
             if param is not None and not obeys_layout(self.env[vid], param.shape, param.stride()):
-                copy = self.env[vid]
-                node.temp_bytes += allocated_bytes(copy.untyped_storage().nbytes(), copy.device)
+                node.temp_bytes += storage_bytes(self.env[vid])
         for vid in self.unread_grads.intersection(node.outputs):
             self.drop(vid)
 
