@@ -11,7 +11,7 @@ import pytest
 import remat
 import torch
 from helpers import assert_close_grads, call
-from remat.memory import allocated_bytes
+from remat.memory import allocated_bytes, exact_cuda_blocks
 from zoo import ZOO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -81,3 +81,30 @@ def test_zoo_on_cuda_keeps_the_budget(name: str) -> None:
     for level, budget, _, tracked, allocated in rows:
         assert tracked <= budget, (name, level, tracked, budget)
         assert allocated <= budget + grad_bytes, (name, level, allocated, budget + grad_bytes)
+
+
+def test_measure_step_sees_a_cuda_tensor_freed_between_ops() -> None:
+    # the profiler drops a CUDA release made outside any op unless the recording is a span
+    n = 8 * 2**20
+
+    def step() -> None:
+        a = torch.empty(n, dtype=torch.uint8, device="cuda")
+        del a
+        b = torch.empty(n, dtype=torch.uint8, device="cuda")  # takes a's block again
+        del b
+
+    assert remat.testing.measure_step(step, []).peak_bytes == n
+
+
+def test_after_planning_on_cuda_a_tensor_takes_its_size_in_blocks() -> None:
+    exact_cuda_blocks()  # what planning on CUDA does first
+    mib = 2**20
+    # a 20 MiB segment of the allocator, filled by two tensors; the first freed leaves a cached
+    # block that a request under 1 MiB smaller than it takes whole without expandable segments
+    cached = torch.empty(2 * mib - 4096, dtype=torch.uint8, device="cuda")
+    rest = torch.empty(18 * mib + 4096, dtype=torch.uint8, device="cuda")
+    del cached
+    before = torch.cuda.memory_allocated()
+    t = torch.empty(mib + 1000, dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_allocated() - before == allocated_bytes(mib + 1000, t.device)
+    del rest

@@ -10,11 +10,13 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import remat
 import torch
 from helpers import assert_close_grads, run_step
+from remat import memory
 from remat.graph import JointGraph
 from remat.memory import CUDA_BLOCK, allocated_bytes
 from remat.profile import _Run, profile
@@ -56,6 +58,35 @@ def test_a_storage_on_cuda_takes_whole_blocks_of_the_caching_allocator() -> None
         3 * 2**20 + CUDA_BLOCK,
     ]
     assert [allocated_bytes(n, cpu) for n in (0, 1, 513)] == [0, 1, 513]
+
+
+@pytest.mark.parametrize(
+    ("conf", "switched", "warns"),
+    [
+        ({}, True, "turned on expandable segments"),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, False, None),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:False"}, False, "up to 1 MiB"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, False, None),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, True, "turned on expandable segments"),
+    ],
+)
+def test_planning_on_cuda_turns_on_expandable_segments_unless_configured(
+    monkeypatch: pytest.MonkeyPatch, conf: dict[str, str], switched: bool, warns: str | None
+) -> None:
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in conf.items():
+        monkeypatch.setenv(name, value)
+    settings: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append)
+    monkeypatch.setattr(memory, "_allocator_checked", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        memory.exact_cuda_blocks()
+        memory.exact_cuda_blocks()  # once per process
+    assert settings == (["expandable_segments:True"] if switched else [])
+    messages = [str(w.message) for w in caught]
+    assert (messages == []) if warns is None else (len(messages) == 1 and warns in messages[0]), messages
 
 
 def test_gradients_summed_into_grad_are_gradients() -> None:

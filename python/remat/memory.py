@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -26,6 +27,48 @@ def allocated_bytes(nbytes: int, device: torch.device) -> int:
     if device.type != "cuda" or not nbytes:
         return nbytes
     return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+
+
+def exact_cuda_blocks() -> None:
+    """Makes the CUDA caching allocator give each storage :func:`allocated_bytes`, by turning on
+    its expandable segments (once per process, with a warning saying so), unless the process's
+    allocator configuration names them or another backend.
+
+    Without expandable segments the allocator hands a request a cached block whole where splitting
+    it would leave no more than 1 MiB, so a tensor may take up to 1 MiB more than its size,
+    depending on what the process freed before: no plan predicts that, and a step measures over
+    its budget by that much per live tensor. Configured otherwise, remat warns once instead."""
+    global _allocator_checked
+    if _allocator_checked:
+        return
+    _allocator_checked = True
+    settings = {
+        key.strip(): value.strip()
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+        for key, _, value in (item.partition(":") for item in os.environ.get(name, "").split(","))
+    }
+    if settings.get("backend", "native") != "native" or settings.get("expandable_segments") == "True":
+        return
+    if "expandable_segments" in settings:
+        warnings.warn(
+            "the allocator configuration sets expandable_segments:False: PyTorch's CUDA caching allocator may hand a "
+            "tensor a cached block up to 1 MiB larger than its size, which remat's plans do not predict, so a step "
+            "may measure over its budget by up to that much per live tensor; expandable_segments:True gives each "
+            "tensor its size",
+            stacklevel=2,
+        )
+        return
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    warnings.warn(
+        "remat turned on expandable segments in PyTorch's CUDA caching allocator, so that each tensor takes its "
+        "size in whole 512-byte blocks and a step's memory is what its plan predicts; start the process with "
+        "PYTORCH_ALLOC_CONF=expandable_segments:True to do it yourself, or expandable_segments:False to keep "
+        "the allocator as it was",
+        stacklevel=2,
+    )
+
+
+_allocator_checked = False
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -58,9 +101,15 @@ class Allocations:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start and stop lines
         self._profiler = torch.autograd.profiler.profile(profile_memory=True, use_kineto=True)
         self._profiler.__enter__()
+        # On CUDA the profiler keeps a release only where it happens within an op or a span: a
+        # tensor freed between ops (a Python variable dropped) would stay alive in the recording
+        # until its address is allocated again. The whole recording is one span.
+        self._span = record_function(_RECORDING)
+        self._span.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._span.__exit__(*exc)
         self._profiler.__exit__(*exc)
         spans: list[tuple[str, int, int]] = []
         marked: list[tuple[str, int, int]] = []
@@ -142,6 +191,7 @@ class Allocations:
 
 
 _LABEL = "remat:"
+_RECORDING = "remat recording"
 
 
 def profiler_running() -> bool:
