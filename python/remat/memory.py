@@ -126,27 +126,16 @@ class Allocations:
                 marked.append((event.name, event.start_time_ns, event.end_time_ns))
             stack.extend(event.children)
         allocations.sort(key=lambda a: a[0])
-        times = [t for t, _, _ in allocations]
+        events, self.live = _paired(allocations, self.prior)
+        self.deltas = [(serial, delta) for _, _, serial, delta in events]  # (serial, +bytes | -bytes)
+        self.addresses = [ptr for _, ptr, _, _ in events]
+        times = [t for t, _, _, _ in events]
         self.spans = {name: (bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in spans}
         self._marked = [(name, bisect.bisect_left(times, s), bisect.bisect_right(times, e)) for name, s, e in marked]
-        # (serial, +bytes | -bytes) per event: an allocation's serial is its index, a release takes
-        # the serial of the allocation it releases (memory allocated before: its size with ``prior``, else 0)
-        self.deltas: list[tuple[int, int]] = []
-        self.addresses = [ptr for _, ptr, _ in allocations]
-        self.live: dict[int, int] = {}  # address -> serial of the allocations still alive at the end
-        sizes: dict[int, int] = {}
-        for serial, (_, ptr, nbytes) in enumerate(allocations):
-            if nbytes > 0:
-                self.live[ptr], sizes[ptr] = serial, nbytes
-                self.deltas.append((serial, nbytes))
-            elif ptr in self.live:
-                self.deltas.append((self.live.pop(ptr), -sizes.pop(ptr)))
-            else:
-                self.deltas.append((serial, nbytes if self.prior else 0))
 
     def made_within(self, prefixes: tuple[str, ...]) -> set[int]:
         """Serials of the allocations made inside the spans named with ``prefixes`` (of ``marks``)."""
-        return {i for i in self._within(prefixes) if self.deltas[i][1] > 0}
+        return {self.deltas[i][0] for i in self._within(prefixes) if self.deltas[i][1] > 0}
 
     def released_within(self, prefixes: tuple[str, ...]) -> set[int]:
         """Serials of the allocations released inside the spans named with ``prefixes`` (of ``marks``)."""
@@ -188,6 +177,30 @@ class Allocations:
     def span(self, name: str) -> tuple[int, int]:
         """The events of the span ``name``: ``deltas[start:end]`` (empty if it did not run)."""
         return self.spans.get(name, (0, 0))
+
+
+def _paired(
+    allocations: list[tuple[int, int, int]], prior: bool
+) -> tuple[list[tuple[int, int, int, int]], dict[int, int]]:
+    """``(time, address, serial, +bytes | -bytes)`` per event of ``allocations`` (``(time, address,
+    +bytes | -bytes)``, in order), and the serials of the allocations alive at the end by address.
+    An allocation's serial is its index, a release takes the serial of the allocation it releases
+    (memory allocated before: its size with ``prior``, else 0). An address allocated again while
+    alive had its release go unrecorded: the release is placed just before the new allocation."""
+    events: list[tuple[int, int, int, int]] = []
+    live: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for serial, (time, ptr, nbytes) in enumerate(allocations):
+        if nbytes > 0:
+            if ptr in live:
+                events.append((time, ptr, live[ptr], -sizes[ptr]))
+            live[ptr], sizes[ptr] = serial, nbytes
+            events.append((time, ptr, serial, nbytes))
+        elif ptr in live:
+            events.append((time, ptr, live.pop(ptr), -sizes.pop(ptr)))
+        else:
+            events.append((time, ptr, serial, nbytes if prior else 0))
+    return events, live
 
 
 _LABEL = "remat:"
