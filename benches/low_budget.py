@@ -7,7 +7,8 @@ gives the measured activation peak (``remat.testing.measure_step``, the loss out
 included; GPT-2 small computes its own, ``labels=``), remat's predicted peak and recomputation,
 and the step time as a ratio to plain PyTorch's and to checkpointing's, medians of steps
 alternated with theirs in one process (random weights). ``--device cuda``: models and inputs
-on the GPU, each step timed to its end (``torch.cuda.synchronize``). ``--compile``: plain PyTorch and the
+on the GPU, each step timed to its end (``torch.cuda.synchronize``), the caching allocator's
+expandable segments on for every row (remat's planning turns them on). ``--compile``: plain PyTorch and the
 checkpointed model under ``torch.compile``, remat with ``compile=True``.
 
     .venv/bin/python benches/low_budget.py                        # every model
@@ -28,6 +29,7 @@ from typing import Any
 import remat
 import torch
 from remat.inductor import CompiledPhase
+from remat.memory import exact_cuda_blocks
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
@@ -220,6 +222,8 @@ def _row(label: str, rm, step, measured: int | None, floor: int, plain, checkpoi
 
 def run(name: str, steps: int, compile: bool = False, device: str = "cpu") -> list[str]:
     torch.manual_seed(0)
+    if torch.device(device).type == "cuda":
+        exact_cuda_blocks()  # what remat's planning turns on, for every row alike
     with torch.device(device):
         case = MODELS[name]()
     compiled = torch.compile if compile else lambda f: f
