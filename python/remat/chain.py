@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .errors import DeviceMismatch, NotSequential
-from .memory import Allocations, peak, storage_bytes, storage_ptrs
+from .memory import Allocations, exact_cuda_blocks, peak, storage_bytes, storage_ptrs
 from .rng import rng_state_bytes, save_rng_state
 
 
@@ -98,6 +98,8 @@ def measure_chain(layers: list[tuple[str, nn.Module]], sample: torch.Tensor, rep
     if not isinstance(sample, torch.Tensor):
         raise TypeError(f"Checkpointable takes one tensor as input, got {type(sample).__name__}")
     _check_device(layers, sample)
+    if sample.device.type == "cuda":
+        exact_cuda_blocks()
     modules = nn.ModuleList([m for _, m in layers])
     params = list(modules.parameters())
     grads = [p.grad for p in params]

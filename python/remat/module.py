@@ -32,7 +32,7 @@ from .errors import (
 from .fit import PlanInputs
 from .graph import JointGraph
 from .measure import LossMeasure, State
-from .memory import Allocations, storage_ptrs
+from .memory import Allocations, exact_cuda_blocks, storage_ptrs
 from .planner import DEFAULTS, Solver
 from .plans import (
     Options,
@@ -253,6 +253,8 @@ class Remat(nn.Module):
                 f"{planned}): pad inputs to a few shapes, or pass a larger max_plans"
             )
         _check_device(self.model, args, kwargs)
+        if any(t.is_cuda for t in (*self.model.parameters(), *flatten_inputs(args, kwargs)[0])):
+            exact_cuda_blocks()  # before anything is measured or a saved plan runs
         t0 = time.perf_counter()
         budget, options, provisional, saved_levels = self._budget_arg, self._options, False, None
         measure = LossMeasure(self.measure_loss and budget is not None)

@@ -38,7 +38,7 @@ from .capture import ACCUMULATES
 from .errors import CaptureError
 from .graph import JointGraph
 from .layout import obeys_layout
-from .memory import Allocations, allocated_bytes, exact_cuda_blocks, peak, profiler_running, storage_bytes
+from .memory import Allocations, allocated_bytes, peak, profiler_running, storage_bytes
 from .schedule import Op, Schedule
 from .sizes import map_sizes
 
@@ -130,8 +130,6 @@ def profile(
     forward, backward = _ops(g, schedule)
     relayout = {vid: ph.meta["val"] for vid, ph in g.param_grads().items()}
     devices = {t.device for t in inputs.values() if t is not None and t.device.type == "cuda"}
-    if devices:
-        exact_cuda_blocks()
     cpu_temps = not devices and not profiler_running()
     if not devices and not cpu_temps:
         log.warning(
