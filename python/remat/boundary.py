@@ -287,9 +287,13 @@ def gradient_sources(nodes: Iterable[fx.Node], tangent_of: dict[fx.Node, int]) -
     """Each of ``nodes`` (in graph order) -> the indices of the outputs whose gradients it is
     computed from; ``tangent_of``: each tangent placeholder -> its output's index."""
     reads: dict[fx.Node, frozenset[int]] = {}
+    none: frozenset[int] = frozenset()
     for n in nodes:
-        own = frozenset((tangent_of[n],)) if n in tangent_of else frozenset()
-        reads[n] = own.union(*(reads[a] for a in n.all_input_nodes))
+        found = frozenset((tangent_of[n],)) if n in tangent_of else none
+        for a in n.all_input_nodes:  # most nodes read the sources of their inputs: one set, shared
+            if not reads[a] <= found:
+                found = reads[a] if found <= reads[a] else found | reads[a]
+        reads[n] = found
     return reads
 
 

@@ -174,11 +174,12 @@ def build_graph(captured: Captured, name: str) -> JointGraph:
         phase = "backward" if fx_node in backward else "forward"
         g.nodes.append(Node(len(g.nodes), fx_node, phase, inputs, outputs, random))
 
+    read_in_backward = {v for n in g.nodes if n.phase == "backward" for v in n.inputs}
     for out, binding in zip(captured.outputs, captured.output_bindings):
         if out is None or binding.kind == "none":
             continue
         kind = {"grad": "grad", "mutation": "buffer"}.get(binding.kind, "forward")
-        if kind == "buffer" and any(n.phase == "backward" and g.value_of[out] in n.inputs for n in g.nodes):
+        if kind == "buffer" and g.value_of[out] in read_in_backward:
             kind = "forward"  # the backward reads the new buffer value: keep it to the end
         g.outputs.append((g.value_of[out], kind))
     return g

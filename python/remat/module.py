@@ -252,8 +252,7 @@ class Remat(nn.Module):
                 f"remat keeps {self.max_plans} plans and this call needs another ({_describe(key)}; planned: "
                 f"{planned}): pad inputs to a few shapes, or pass a larger max_plans"
             )
-        _check_device(self.model, args, kwargs)
-        if any(t.is_cuda for t in (*self.model.parameters(), *flatten_inputs(args, kwargs)[0])):
+        if any(d.type == "cuda" for d in _check_device(self.model, args, kwargs)):
             exact_cuda_blocks()  # before anything is measured or a saved plan runs
         t0 = time.perf_counter()
         budget, options, provisional, saved_levels = self._budget_arg, self._options, False, None
@@ -496,7 +495,8 @@ class Remat(nn.Module):
                 return
         t0 = time.perf_counter()
         try:
-            plan = make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
+            with planning(type(self.model).__name__, stages=1):
+                plan = make_plan(planned.base, measured, self._budget_arg, self._options, planned.inputs)
         except InfeasibleBudget as exc:
             measure.failed(measured)  # each call raises until the budget is raised (set_budget)
             raise InfeasibleBudget(exc.budget, exc.min_budget, loss_bytes=measured.loss_bytes) from None
@@ -697,7 +697,9 @@ def _check_not_sharded(model: nn.Module) -> None:
         )
 
 
-def _check_device(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_device(model: nn.Module, args: tuple, kwargs: dict) -> set[torch.device]:
+    """The devices of the model's parameters and buffers and of the call's tensors: the call's on the
+    model's (``DeviceMismatch`` otherwise)."""
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     tensors, _, _ = flatten_inputs(args, kwargs)
     for t in tensors:
@@ -706,6 +708,7 @@ def _check_device(model: nn.Module, args: tuple, kwargs: dict) -> None:
                 f"the sample is on {t.device} but the model is on {', '.join(sorted(map(str, devices)))}; "
                 "move both to the same device (model.to(device), sample.to(device))"
             )
+    return devices | {t.device for t in tensors}
 
 
 def _signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
