@@ -157,6 +157,28 @@ impl Hierarchy {
         self.options.len()
     }
 
+    /// The chain with each storage that spans several cuts counted in the size of every cut it
+    /// spans instead of held for the whole step, where some storage does (`None` otherwise). The
+    /// DP then frees such a storage where a sequence holds no checkpoint within its span (the
+    /// tensors every step of a loop reads, the loop cut into many blocks), at the price of
+    /// counting it once for each checkpoint it spans: neither model finds the faster schedule at
+    /// every budget.
+    pub fn spread_chain(&self, sg: &SimpleGraph) -> Result<Option<Chain>> {
+        let partition = &self.partition;
+        if partition.long_span_bytes == 0 {
+            return Ok(None);
+        }
+        let (sizes, mut deltas) = partition.spread.clone();
+        *deltas.last_mut().expect("a chain has cuts") += sg.tangent_bytes;
+        let extra_bytes = self.chain.extra_bytes - partition.long_span_bytes;
+        let chain = Chain::new(sizes, self.chain.blocks.clone(), extra_bytes)?;
+        Ok(Some(
+            chain
+                .with_deltas(deltas)?
+                .with_loss_bytes(self.chain.loss_bytes),
+        ))
+    }
+
     /// The group sequences (forward phase, backward phase) of a chain sequence's ops.
     pub fn groups_of(&self, ops: &[ChainOp]) -> (Vec<usize>, Vec<usize>) {
         let (mut forward, mut backward) = (Vec::new(), Vec::new());

@@ -55,6 +55,9 @@ pub struct Partition {
     /// Bytes of the storages spanning two cuts or more (the chain holds them for the whole
     /// step rather than count them in several sizes at once).
     pub long_span_bytes: u64,
+    /// `sizes` and `deltas` with each storage counted in every cut it spans, the long spans too
+    /// (the chain [`super::spread_chain`] plans with besides).
+    pub spread: (Vec<u64>, Vec<u64>),
 }
 
 impl Partition {
@@ -115,6 +118,7 @@ pub fn partition(sg: &SimpleGraph, options: PartitionOptions) -> Partition {
         deltas: spans.deltas,
         span: spans.span,
         long_span_bytes: spans.long_span_bytes,
+        spread: spans.spread,
     }
 }
 
@@ -235,15 +239,17 @@ struct Spans {
     deltas: Vec<u64>,
     span: Vec<(usize, usize)>,
     long_span_bytes: u64,
+    spread: (Vec<u64>, Vec<u64>),
 }
 
 /// Each storage spans the blocks from the first to the last of its producer and users. One
 /// spanning a single cut counts in that cut's size (`x` for forward storages, `δ` for backward
 /// ones); one spanning more is alive across several checkpoints of the DP at once, and counts
-/// as held for the whole step instead.
+/// as held for the whole step instead; in `spread`, it counts in the size of every cut it spans.
 fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
     let mut x = vec![0u64; blocks + 1];
     let mut delta = vec![0u64; blocks + 1];
+    let (mut spread_x, mut spread_delta) = (x.clone(), delta.clone());
     let mut long_span_bytes = 0;
     let span: Vec<(usize, usize)> = sg
         .storages
@@ -258,6 +264,12 @@ fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
         if lo == hi || st.hold != Hold::Planned {
             continue;
         }
+        let spread = if st.producer < sg.first_backward {
+            &mut spread_x
+        } else {
+            &mut spread_delta
+        };
+        spread[lo + 1..=hi].iter_mut().for_each(|b| *b += st.bytes);
         if hi - lo >= 2 {
             long_span_bytes += st.bytes;
         } else if st.producer < sg.first_backward {
@@ -266,13 +278,15 @@ fn spans(sg: &SimpleGraph, block_of: &[usize], blocks: usize) -> Spans {
             delta[hi] += st.bytes;
         }
     }
-    x[blocks] = 0;
-    delta[blocks] = 0;
+    for sizes in [&mut x, &mut delta, &mut spread_x, &mut spread_delta] {
+        sizes[blocks] = 0;
+    }
     Spans {
         sizes: x,
         deltas: delta,
         span,
         long_span_bytes,
+        spread: (spread_x, spread_delta),
     }
 }
 
