@@ -36,8 +36,8 @@ class Graph:
 
     def simulate(self, schedule_json: str) -> str:
         """Replays a schedule: JSON report with peak_bytes, forward_peak_bytes,
-        backward_peak_bytes, forward_end_bytes, backward_start_bytes, time, recomputed_time and
-        beside_bytes.
+        backward_peak_bytes, forward_end_bytes, backward_start_bytes, time, recomputed_time,
+        beside_bytes and step_peak_bytes.
         Raises remat.ScheduleError if the schedule is invalid."""
 
     def memory_curve(self, schedule_json: str | None = None) -> str:

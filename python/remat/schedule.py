@@ -36,12 +36,14 @@ class Prediction:
     backward_start_bytes: int  # alive when the backward phase starts (the outputs' gradients in)
     time: float  # the step: every op, recomputations included
     recomputed_time: float  # the recomputations alone
-    beside_bytes: int = 0  # held beside the values (RNG states, buffer copies): the step peaks at peak_bytes + these
+    beside_bytes: int = 0  # held beside the values (RNG states, buffer copies): the step peaks at most peak_bytes + these
+    # The step's peak: the values' and what the executor holds beside them while it holds it (each
+    # RNG state from before its node's first run to its last); peak_bytes + beside_bytes where unknown
+    step_peak_bytes: int = -1
 
-    @property
-    def step_peak_bytes(self) -> int:
-        """The step's peak: the values' and what the executor holds beside them."""
-        return self.peak_bytes + self.beside_bytes
+    def __post_init__(self) -> None:
+        if self.step_peak_bytes < 0:  # a prediction written before the field was
+            object.__setattr__(self, "step_peak_bytes", self.peak_bytes + self.beside_bytes)
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,9 @@ fn bytes_held_beside_the_values_are_planned_for() {
         let report = plan(&graph, budget, &options).unwrap().predicted.unwrap();
         assert!(report.recomputed_time > 0.0 && report.beside_bytes >= 4096);
         assert!(report.peak_bytes + report.beside_bytes <= budget);
+        // The step's peak counts each state while it is held: the copies always, at most all.
+        assert!(report.step_peak_bytes >= report.peak_bytes + 4096);
+        assert!(report.step_peak_bytes <= report.peak_bytes + report.beside_bytes);
     }
     let plain_report = plan(&graph, plain, &options).unwrap().predicted.unwrap();
     assert_eq!(plain_report.beside_bytes, 0);

@@ -17,8 +17,9 @@ impl Chain {
         // `δ_L` arrives at the loss.
         let forward_peak_bytes = held - self.delta(self.len()) + replay.forward_peak;
         let backward_peak_bytes = held + replay.backward_peak;
+        let peak_bytes = forward_peak_bytes.max(backward_peak_bytes);
         Ok(Report {
-            peak_bytes: forward_peak_bytes.max(backward_peak_bytes),
+            peak_bytes,
             forward_peak_bytes,
             backward_peak_bytes,
             forward_end_bytes: held - self.delta(self.len()) + replay.forward_end,
@@ -26,6 +27,7 @@ impl Chain {
             time: replay.time,
             recomputed_time: replay.recomputed_time,
             beside_bytes: 0,
+            step_peak_bytes: peak_bytes,
         })
     }
 }

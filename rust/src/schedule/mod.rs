@@ -113,10 +113,15 @@ pub struct Report {
     pub time: f64,
     /// Time of the runs beyond the first of each node (seconds).
     pub recomputed_time: f64,
-    /// Bytes the executor holds beside the values ([`crate::Graph::beside_bytes`]); the step's
-    /// peak is `peak_bytes` plus these.
+    /// Bytes the executor holds beside the values ([`crate::Graph::beside_bytes`]): the step's
+    /// peak is at most `peak_bytes` plus these.
     #[serde(default)]
     pub beside_bytes: u64,
+    /// The step's peak with what the executor holds beside the values, each generator state
+    /// counted while the executor holds it: saved before its node's first run, released after its
+    /// last, and one more while a run replays it (the buffer copies for the whole step).
+    #[serde(default)]
+    pub step_peak_bytes: u64,
 }
 
 /// A schedule found near the budget runs instead of the grid's best only where it is faster by

@@ -49,6 +49,13 @@ pub fn memory_curve(graph: &Graph, schedule: &Schedule) -> Result<Vec<Point>> {
 fn replay(graph: &Graph, schedule: &Schedule, curve: Option<&mut Vec<Point>>) -> Result<Report> {
     let mut state = State::new(graph);
     state.curve = curve;
+    for op in schedule.forward.iter().chain(&schedule.backward) {
+        if let Op::Compute { node } = *op {
+            if let Some(total) = state.total.get_mut(node) {
+                *total += 1;
+            }
+        }
+    }
     let forward_peak = state.run_phase(Phase::Forward, &schedule.forward)?;
     state.check_outputs_alive(Phase::Forward)?;
     let forward = (forward_peak, state.bytes);
@@ -68,6 +75,12 @@ struct State<'g, 'c> {
     live_values: Vec<u32>,
     bytes: u64,
     runs: Vec<u32>,
+    /// Per node: its runs in the whole schedule.
+    total: Vec<u32>,
+    /// Bytes of the generator states the executor holds now.
+    states: u64,
+    /// The peak of the values' bytes and the states' together.
+    step_peak: u64,
 }
 
 impl<'g, 'c> State<'g, 'c> {
@@ -80,6 +93,9 @@ impl<'g, 'c> State<'g, 'c> {
             live_values: vec![0; n],
             bytes: 0,
             runs: vec![0; graph.nodes().len()],
+            total: vec![0; graph.nodes().len()],
+            states: 0,
+            step_peak: 0,
         };
         for v in graph.values().iter().filter(|v| v.kind.is_graph_input()) {
             state.make_alive(v.id);
@@ -181,9 +197,24 @@ impl<'g, 'c> State<'g, 'c> {
                 n.name
             ));
         }
+        // A random forward node run more than once: the executor saves the generator's state
+        // before its first run and releases it after its last; a replay sets it and restores the
+        // caller's, one state more while it runs.
+        let state = self.graph.beside().rng_state_bytes;
+        let replayed = n.random && n.phase == Phase::Forward && self.total[node] > 1;
+        let first = self.runs[node] == 0;
+        if replayed && first {
+            self.states += state;
+        }
         n.outputs.iter().for_each(|&v| self.make_alive(v));
         self.runs[node] += 1;
-        Ok(self.bytes + n.temp_bytes)
+        let height = self.bytes + n.temp_bytes;
+        let replaying = if replayed && !first { state } else { 0 };
+        self.step_peak = self.step_peak.max(height + self.states + replaying);
+        if replayed && self.runs[node] == self.total[node] {
+            self.states -= state;
+        }
+        Ok(height)
     }
 
     fn free(&mut self, phase: Phase, value: usize) -> std::result::Result<(), String> {
@@ -244,15 +275,23 @@ impl<'g, 'c> State<'g, 'c> {
             time += node.time * f64::from(runs);
             recomputed_time += node.time * f64::from(runs.saturating_sub(1));
         }
+        let peak_bytes = forward_peak_bytes.max(backward_peak_bytes);
+        let beside_bytes = self.graph.beside_bytes(Some(&self.runs));
+        let copied = if beside_bytes > 0 {
+            self.graph.beside().copied_bytes
+        } else {
+            0
+        };
         Report {
-            peak_bytes: forward_peak_bytes.max(backward_peak_bytes),
+            peak_bytes,
             forward_peak_bytes,
             backward_peak_bytes,
             forward_end_bytes,
             backward_start_bytes,
             time,
             recomputed_time,
-            beside_bytes: self.graph.beside_bytes(Some(&self.runs)),
+            beside_bytes,
+            step_peak_bytes: self.step_peak.max(peak_bytes) + copied,
         }
     }
 }
