@@ -36,7 +36,7 @@ class Prediction:
     backward_start_bytes: int  # alive when the backward phase starts (the outputs' gradients in)
     time: float  # the step: every op, recomputations included
     recomputed_time: float  # the recomputations alone
-    beside_bytes: int = 0  # held beside the values (RNG states, buffer copies): the step peaks at most peak_bytes + these
+    beside_bytes: int = 0  # the most held beside the values (RNG states, buffer copies)
     # The step's peak: the values' and what the executor holds beside them while it holds it (each
     # RNG state from before its node's first run to its last); peak_bytes + beside_bytes where unknown
     step_peak_bytes: int = -1
