@@ -18,6 +18,15 @@ fn load(name: &str) -> Graph {
     Graph::from_json(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
+/// The time of one run of each forward node of `g`.
+fn forward_time(g: &Graph) -> f64 {
+    let forward = g
+        .nodes()
+        .iter()
+        .filter(|n| n.phase == remat::Phase::Forward);
+    forward.map(|n| n.time).sum()
+}
+
 /// Rockmate (the default) on every saved architecture, from the smallest budget to plain
 /// PyTorch's peak: each schedule replays within budget and recomputes no more than keeping
 /// nothing does.
@@ -129,12 +138,7 @@ fn rockmate_counts_a_large_loss_near_the_floor() {
 fn near_the_smallest_budget_with_a_large_loss_a_step_recomputes_at_most_two_forwards() {
     for name in ["gpt2_6l_outside", "gpt2_6l_first", "gpt2_4l_labels"] {
         let g = load(name);
-        let forward: f64 = g
-            .nodes()
-            .iter()
-            .filter(|n| n.phase == remat::Phase::Forward)
-            .map(|n| n.time)
-            .sum();
+        let forward = forward_time(&g);
         for fraction in [0.0, 0.005, 0.01, 0.02, 0.05, 0.1] {
             let budget = budget_at(&g, fraction);
             let schedule = plan(&g, budget, &PlanOptions::default()).unwrap();
@@ -159,12 +163,7 @@ fn near_the_smallest_budget_with_a_large_loss_a_step_recomputes_at_most_two_forw
 fn storages_spanning_many_blocks_are_freed_where_no_checkpoint_holds_them() {
     for (name, fraction) in [("unet", 0.1), ("transformer", 0.03)] {
         let g = load(name);
-        let forward: f64 = g
-            .nodes()
-            .iter()
-            .filter(|n| n.phase == remat::Phase::Forward)
-            .map(|n| n.time)
-            .sum();
+        let forward = forward_time(&g);
         let budget = budget_at(&g, fraction);
         let schedule = plan(&g, budget, &PlanOptions::default()).unwrap();
         let predicted = schedule.predicted.unwrap();
