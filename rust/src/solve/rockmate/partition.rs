@@ -56,7 +56,7 @@ pub struct Partition {
     /// step rather than count them in several sizes at once).
     pub long_span_bytes: u64,
     /// `sizes` and `deltas` with each storage counted in every cut it spans, the long spans too
-    /// (the chain [`super::spread_chain`] plans with besides).
+    /// (the chain [`super::Hierarchy::spread_chain`] plans with besides).
     pub spread: (Vec<u64>, Vec<u64>),
 }
 
