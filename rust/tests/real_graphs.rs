@@ -156,9 +156,10 @@ fn near_the_smallest_budget_with_a_large_loss_a_step_recomputes_at_most_two_forw
 /// A UNet's skips and `nn.Transformer`'s encoder memory span many cuts of the chain, which holds
 /// such storages for the whole step; its spread chain counts them at each cut they span, freeing
 /// them where a sequence holds no checkpoint within the span (`Hierarchy::spread_chain`). Rockmate
-/// then plans its own schedule at 10% of the UNet's budget range (0.23 forwards recomputed; with
-/// the whole-step chain alone the keep-set fallback planned there, 8.27 forwards) and at 3% of
-/// `nn.Transformer`'s (1.05 forwards; the fallback 5.08).
+/// then plans its own schedules at 10% of the UNet's budget range (0.23 forwards recomputed; with
+/// the whole-step chain alone its plans started above that budget, and the keep-set fallback's
+/// recomputed 8.27 forwards) and at 3% of `nn.Transformer`'s (1.05 forwards; the fallback's 5.08;
+/// the fallback with more kept, `plan::kept_more`, now runs there, 4.5% faster).
 #[test]
 fn storages_spanning_many_blocks_are_freed_where_no_checkpoint_holds_them() {
     for (name, fraction) in [("unet", 0.1), ("transformer", 0.03)] {
@@ -168,10 +169,10 @@ fn storages_spanning_many_blocks_are_freed_where_no_checkpoint_holds_them() {
         let schedule = plan(&g, budget, &PlanOptions::default()).unwrap();
         let predicted = schedule.predicted.unwrap();
         let recomputed = predicted.recomputed_time / forward;
-        assert_ne!(
-            schedule.solver.unwrap().status,
-            SolverStatus::Fallback,
-            "{name}"
+        let own = schedule.solver.unwrap().own_plans_from.unwrap();
+        assert!(
+            own <= budget,
+            "{name}: own plans from {own}, budget {budget}"
         );
         assert!(predicted.peak_bytes <= budget, "{name}");
         assert!(
@@ -181,12 +182,13 @@ fn storages_spanning_many_blocks_are_freed_where_no_checkpoint_holds_them() {
     }
 }
 
-/// At the smallest budget, where only the keep-set heuristic plans, it keeps what still fits
-/// beside its plan: keeping nothing recomputed 9.05 forwards on the UNet, 17.77 on
-/// `nn.Transformer` and 6.09 on the encoder.
+/// At the smallest budget, where only the keep-set heuristic plans, it keeps what still fits,
+/// from the production of each storage or, past the step's peak, from the stage recomputing it:
+/// keeping nothing recomputed 9.05 forwards on the UNet, 17.77 on `nn.Transformer` and 6.09 on
+/// the encoder.
 #[test]
 fn the_smallest_budget_keeps_what_fits() {
-    for (name, most) in [("unet", 2.0), ("transformer", 8.0), ("encoder_2l", 4.5)] {
+    for (name, most) in [("unet", 1.0), ("transformer", 2.0), ("encoder_2l", 2.0)] {
         let g = load(name);
         let forward = forward_time(&g);
         let budget = budget_at(&g, 0.0);

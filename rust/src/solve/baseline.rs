@@ -26,31 +26,69 @@ pub fn store_all(sg: &SimpleGraph) -> StagePlan {
 /// frees each storage right after its last use.
 pub fn min_memory(sg: &SimpleGraph) -> StagePlan {
     let runs = sg.stage_runs(Recompute::Anywhere);
-    keep_set(sg, &vec![false; sg.storages.len()], &runs)
+    keep_set(sg, &vec![false; sg.storages.len()], &[], &runs)
 }
 
 /// Like [`min_memory`], but the storages marked in `keep` also stay alive from their production
 /// to the last stage that may need them, and so do the other outputs of their group (a group
-/// cannot run again while one of its outputs is alive). Stages recompute within `stage_runs`
-/// (`sg.stage_runs(scope)`, shared by the plans of one scope): under [`Recompute::Lazy`] the
-/// forward phase recomputes nothing, and each storage stays alive at least until its last
-/// forward user.
-pub fn keep_set(sg: &SimpleGraph, keep: &[bool], stage_runs: &StageRuns) -> StagePlan {
+/// cannot run again while one of its outputs is alive). A storage with a stage in `late` (none
+/// where it is empty) stays alive from the first backward stage from that one on that recomputes
+/// it to the last stage that may need it, with the other outputs of its group: a checkpoint taken
+/// once the step's peak is past (where what the loss held is free). Stages recompute within
+/// `stage_runs` (`sg.stage_runs(scope)`, shared by the plans of one scope): under
+/// [`Recompute::Lazy`] the forward phase recomputes nothing, and each storage stays alive at least
+/// until its last forward user.
+pub fn keep_set(
+    sg: &SimpleGraph,
+    keep: &[bool],
+    late: &[Option<usize>],
+    stage_runs: &StageRuns,
+) -> StagePlan {
     let held_group: Vec<bool> = (0..sg.groups.len())
         .map(|g| !sg.recomputable(g) || sg.groups[g].outputs.iter().any(|&s| keep[s]))
         .collect();
-    let entering = |t: usize, s: usize| {
-        let held = held_group[sg.storages[s].producer] && t <= stage_runs.last_use[s];
-        stage_runs.forced_alive(sg, s, t).unwrap_or(held)
-    };
-    let mut seen = vec![false; sg.groups.len()];
-    let mut stages: Vec<Stage> = (0..sg.groups.len())
-        .map(|t| Stage {
-            compute: ancestors_to_run(sg, t, |s| entering(t, s), &mut seen),
-            keep: StorageSet::new(sg.storages.len()),
+    // Per group: the first stage from which its outputs are kept once it runs again.
+    let late_group: Vec<Option<usize>> = (0..sg.groups.len())
+        .map(|g| {
+            let outputs = sg.groups[g].outputs.iter();
+            outputs
+                .filter_map(|&s| late.get(s).copied().flatten())
+                .min()
         })
         .collect();
+    let last_use = &stage_runs.last_use;
+    let entering = |t: usize, s: usize| {
+        let held = held_group[sg.storages[s].producer] && t <= last_use[s];
+        stage_runs.forced_alive(sg, s, t).unwrap_or(held)
+    };
+    // Per storage: the stage from which it is kept late, if any.
+    let mut late_from: Vec<Option<usize>> = vec![None; sg.storages.len()];
+    let mut seen = vec![false; sg.groups.len()];
+    let mut stages: Vec<Stage> = Vec::with_capacity(sg.groups.len());
+    for t in 0..sg.groups.len() {
+        let kept_late = |s: usize| late_from[s].is_some_and(|from| from < t && t <= last_use[s]);
+        let compute = ancestors_to_run(sg, t, |s| entering(t, s) || kept_late(s), &mut seen);
+        if t >= sg.first_backward {
+            for &g in &compute {
+                if late_group[g].is_some_and(|from| from <= t) {
+                    sg.groups[g]
+                        .outputs
+                        .iter()
+                        .for_each(|&s| late_from[s] = Some(t));
+                }
+            }
+        }
+        stages.push(Stage {
+            compute,
+            keep: StorageSet::new(sg.storages.len()),
+        });
+    }
     keep_while(sg, &mut stages, |t, s| entering(t + 1, s));
+    for (s, from) in late_from.iter().enumerate() {
+        if let Some(from) = *from {
+            (from..last_use[s]).for_each(|t| stages[t].keep.insert(s));
+        }
+    }
     StagePlan { stages }
 }
 

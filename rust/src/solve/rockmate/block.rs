@@ -490,10 +490,10 @@ impl<'a> Search<'a> {
         let mut keep = vec![false; sub.storages.len()];
         order.iter().for_each(|&s| keep[s] = true);
         let runs = sub.stage_runs(Recompute::Lazy);
-        let mut stage_plans = vec![baseline::keep_set(sub, &keep, &runs)];
+        let mut stage_plans = vec![baseline::keep_set(sub, &keep, &[], &runs)];
         for &s in &order {
             keep[s] = false;
-            stage_plans.push(baseline::keep_set(sub, &keep, &runs));
+            stage_plans.push(baseline::keep_set(sub, &keep, &[], &runs));
         }
         let family: Vec<OptionPlan> = stage_plans.iter().map(|p| option_of(sub, p)).collect();
         let family_costs: Vec<SequenceCost> = family.iter().map(|p| cost(sub, p, &times)).collect();
