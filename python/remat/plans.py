@@ -593,10 +593,10 @@ def warn_if_slow(plan: Plan, options: Options) -> None:
     target, plain_peak, min_budget = plan.budget, plan.plain_peak, plan.min_budget
     where = (target - min_budget) / max(plain_peak - min_budget, 1)
     solver = plan.schedule.solver
-    if solver is None or solver.status != "fallback":
+    own = None if solver is None else solver.own_plans_from
+    if solver is None or solver.status != "fallback" or (own is not None and own <= target):
         found = "a larger budget runs faster"
-    elif solver.own_plans_from is not None:
-        own = solver.own_plans_from
+    elif own is not None:
         found = (
             f"this plan is the keep-set heuristic's: the solver's own plans were found from {own} bytes, "
             f"{own - target} more than this budget"

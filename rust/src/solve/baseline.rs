@@ -31,10 +31,10 @@ pub fn min_memory(sg: &SimpleGraph) -> StagePlan {
 
 /// Like [`min_memory`], but the storages marked in `keep` also stay alive from their production
 /// to the last stage that may need them, and so do the other outputs of their group (a group
-/// cannot run again while one of its outputs is alive). A storage with a stage in `late` (none
-/// where it is empty) stays alive from the first backward stage from that one on that recomputes
-/// it to the last stage that may need it, with the other outputs of its group: a checkpoint taken
-/// once the step's peak is past (where what the loss held is free). Stages recompute within
+/// cannot run again while one of its outputs is alive). A storage given a stage in `late` (none
+/// where it is empty) stays alive from the first backward stage at or after that one which
+/// recomputes it to the last stage that may need it, with the other outputs of its group: a
+/// checkpoint taken once the step's peak is past (where what the loss held is free). Stages recompute within
 /// `stage_runs` (`sg.stage_runs(scope)`, shared by the plans of one scope): under
 /// [`Recompute::Lazy`] the forward phase recomputes nothing, and each storage stays alive at least
 /// until its last forward user.

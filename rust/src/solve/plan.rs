@@ -241,7 +241,7 @@ fn recomputing(
         schedule: heuristic,
         ..
     } = fallback;
-    found.near.push((heuristic.clone(), SolverStatus::Fallback));
+    found.near.push((heuristic, SolverStatus::Fallback));
     let lowest = found.lowest;
     let (schedule, status) = found.chosen().expect("the heuristic's schedule fits");
     let report = schedule.predicted.expect("simulated");
@@ -251,7 +251,7 @@ fn recomputing(
     }
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than a forward
     // (near the smallest budget), the heuristic's with more kept may be faster.
-    let kept = kept_more(graph, sg, budget, recompute, dropped, heuristic)?;
+    let kept = kept_more(graph, sg, budget, recompute, dropped)?;
     if kept.predicted.expect("simulated").time < report.time {
         return Ok((kept, SolverStatus::Fallback, lowest));
     }
@@ -484,16 +484,20 @@ fn kept_more(
     budget: u64,
     recompute: Recompute,
     dropped: usize,
-    heuristic: Schedule,
 ) -> Result<Schedule> {
     let runs = sg.stage_runs(recompute);
-    let all = baseline::drop_order(sg).len();
-    let from_heuristic = keep_more(graph, sg, budget, &runs, dropped, heuristic)?;
-    if dropped == all {
+    let order = baseline::drop_order(sg);
+    let kept = |dropped: usize| {
+        let mut keep = vec![false; sg.storages.len()];
+        order[dropped..].iter().for_each(|&s| keep[s] = true);
+        let (_, start) = keep_set_simulated(graph, sg, &keep, &runs)?;
+        keep_more(graph, sg, budget, &runs, dropped, start)
+    };
+    let from_heuristic = kept(dropped)?;
+    if dropped == order.len() {
         return Ok(from_heuristic);
     }
-    let (_, nothing) = keep_set_simulated(graph, sg, &vec![false; sg.storages.len()], &runs)?;
-    let from_nothing = keep_more(graph, sg, budget, &runs, all, nothing)?;
+    let from_nothing = kept(order.len())?;
     let time = |s: &Schedule| s.predicted.expect("simulated").time;
     Ok(if time(&from_nothing) < time(&from_heuristic) {
         from_nothing
