@@ -466,18 +466,22 @@ fn fastest_keep_set(
     Ok(best)
 }
 
-/// Ops that [`keep_more`] simulates at most in all: on GPT-2 48L, whose lazy keep-nothing
+/// Ops that [`kept_more`] simulates at most in all: on GPT-2 48L, whose lazy keep-nothing
 /// schedule runs 2.8 million ops, a few tries; on the saved graphs, every storage.
 const KEEP_MORE_OPS: usize = 5_000_000;
 
-/// Stages after a peak from which [`keep_more`] tries to keep a storage late, at most.
+/// Stages after a peak from which [`kept_more`] tries to keep a storage late, at most.
 const LATE_TRIES: usize = 4;
 
 /// The heuristic's schedule (all but the first `dropped` storages of [`baseline::drop_order`]
-/// kept, within `recompute`'s scope) with more storages kept ([`keep_more`]), or the keep-nothing
-/// schedule with more kept where that is faster: from either start one storage kept can take the
-/// room of others, so that each start alone planned the zoo's UNet slower at 2% of its budget
-/// range than at its smallest budget.
+/// kept, within `recompute`'s scope) with more storages kept. Near the keep-nothing schedule's
+/// peak the family keeps nothing, and every backward stage recomputes from the inputs. Each
+/// storage it drops, the most recomputation time per byte first, is tried kept from its
+/// production, else from the first backward stage that recomputes it, else from the first one
+/// after the stage where that schedule peaked ([`baseline::keep_set`]'s `late`); it stays kept
+/// where the schedule then keeps `budget` and runs faster. On the saved UNet, nn.Transformer and
+/// encoder at their smallest budgets, 9.05, 17.77 and 6.09 recomputed forwards become 0.33, 0.94
+/// and 1.11. At most [`KEEP_MORE_OPS`] ops are simulated and replayed.
 fn kept_more(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -487,51 +491,15 @@ fn kept_more(
 ) -> Result<Schedule> {
     let runs = sg.stage_runs(recompute);
     let order = baseline::drop_order(sg);
-    let kept = |dropped: usize| {
-        let mut keep = vec![false; sg.storages.len()];
-        order[dropped..].iter().for_each(|&s| keep[s] = true);
-        let (_, start) = keep_set_simulated(graph, sg, &keep, &runs)?;
-        keep_more(graph, sg, budget, &runs, dropped, start)
-    };
-    let from_heuristic = kept(dropped)?;
-    if dropped == order.len() {
-        return Ok(from_heuristic);
-    }
-    let from_nothing = kept(order.len())?;
-    let time = |s: &Schedule| s.predicted.expect("simulated").time;
-    Ok(if time(&from_nothing) < time(&from_heuristic) {
-        from_nothing
-    } else {
-        from_heuristic
-    })
-}
-
-/// `start`, the keep-set schedule keeping all but the first `dropped` storages of
-/// [`baseline::drop_order`] within `runs`, with more storages kept. Near the keep-nothing
-/// schedule's peak the family keeps nothing, and every backward stage recomputes from the
-/// inputs. Each storage it drops, the most recomputation time per byte first, is tried kept from
-/// its production, else from the first backward stage that recomputes it, else from the first one
-/// after the stage where that schedule peaked ([`baseline::keep_set`]'s `late`); it stays kept
-/// where the schedule then keeps `budget` and runs faster. On the saved UNet, nn.Transformer and
-/// encoder at their smallest budgets, 9.05, 17.77 and 6.09 recomputed forwards become 0.33, 0.94
-/// and 1.11. At most [`KEEP_MORE_OPS`] ops are simulated and replayed.
-fn keep_more(
-    graph: &Graph,
-    sg: &SimpleGraph,
-    budget: u64,
-    runs: &StageRuns,
-    dropped: usize,
-    start: Schedule,
-) -> Result<Schedule> {
-    let order = baseline::drop_order(sg);
     let mut keep = vec![false; sg.storages.len()];
     order[dropped..].iter().for_each(|&s| keep[s] = true);
+    let (_, start) = keep_set_simulated(graph, sg, &keep, &runs)?;
     let mut late: Vec<Option<usize>> = vec![None; sg.storages.len()];
     let time = |s: &Schedule| s.predicted.expect("simulated").time;
     let mut best = start;
     let work = std::cell::Cell::new(0);
     let tried = |keep: &[bool], late: &[Option<usize>], best: &mut Schedule| {
-        let (_, candidate) = keep_late_simulated(graph, sg, keep, late, runs)?;
+        let (_, candidate) = keep_late_simulated(graph, sg, keep, late, &runs)?;
         work.set(work.get() + candidate.forward.len() + candidate.backward.len());
         let fits = peak(&candidate) <= budget;
         if fits && time(&candidate) < time(best) {
@@ -572,7 +540,7 @@ fn keep_more(
     Ok(best)
 }
 
-/// How a schedule [`keep_more`] tried compares with the best so far.
+/// How a schedule [`kept_more`] tried compares with the best so far.
 enum Tried {
     Kept,
     Slower,
