@@ -548,7 +548,8 @@ enum Tried {
 }
 
 /// The backward stage during which `schedule` peaks: that of the first backward group to run
-/// from its peak on; `None` where it peaks in the forward phase.
+/// from its peak on (the first backward stage where it peaks in the forward phase); `None` where
+/// none runs after it.
 fn peak_stage(graph: &Graph, sg: &SimpleGraph, schedule: &Schedule) -> Result<Option<usize>> {
     let curve = crate::schedule::simulate::memory_curve(graph, schedule)?;
     let Some(top) = (0..curve.len()).max_by_key(|&i| (curve[i].peak, std::cmp::Reverse(i))) else {
