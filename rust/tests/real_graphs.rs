@@ -439,3 +439,33 @@ fn no_schedule_keeps_a_view_of_an_earlier_run() {
         }
     }
 }
+
+/// Each per-block ILP starts from the fastest plan of the keep-set family within its limits:
+/// with no time to search, it returns that plan. The family keeps a storage through every stage
+/// that may read it, which the ILP's memory rows would count past the storage's last read; such
+/// a start broke the rows on GPT-2's blocks, and HiGHS dropped it.
+#[test]
+fn a_block_ilp_stopped_at_once_returns_its_warm_start() {
+    use remat::testing::rockmate::block::{sub_problem, OptionSearch, Search};
+    use remat::testing::rockmate::partition::{partition, PartitionOptions};
+    use remat::testing::simplify::simplify;
+    let g = load("gpt2_2l");
+    let sg = simplify(&g);
+    let part = partition(&sg, PartitionOptions::default());
+    let search = OptionSearch {
+        ilp_time_limit: 1e-9,
+        ilp_max_nodes: 0,
+        ..PlanOptions::default().hierarchy().search
+    };
+    let mut solved = 0;
+    for b in 0..part.len() {
+        let sub = sub_problem(&g, &sg, &part, b);
+        let blocks = Search::new(&sub.sg, &search);
+        for request in &blocks.requests {
+            let found = blocks.solve(request).unwrap();
+            assert!(found.is_some(), "block {b}, ILP {request:?}: no plan");
+            solved += 1;
+        }
+    }
+    assert!(solved > 0);
+}

@@ -292,10 +292,16 @@ impl<'a> Model<'a> {
         e
     }
 
-    /// The value of every variable under `plan` (FREE as large as its bounds allow).
+    /// The value of every variable under `plan` (FREE as large as its bounds allow). A storage
+    /// counts as alive entering a stage only where the plan keeps it and reads it again before
+    /// running its producer, as the schedule frees it: a plan's `keep` may hold a storage past
+    /// its last read (the keep-set family keeps a storage through every stage that may read it),
+    /// which the memory rows would count.
     fn values_of(&self, plan: &StagePlan) -> HashMap<Variable, f64> {
         let runs = |t: usize, i: usize| plan.stages[t].compute.contains(&i);
-        let kept_into = |t: usize, s: usize| t > 0 && plan.stages[t - 1].keep.contains(s);
+        let read_again = self.read_again(plan);
+        let kept_into =
+            |t: usize, s: usize| t > 0 && plan.stages[t - 1].keep.contains(s) && read_again[t][s];
         let mut values = HashMap::new();
         for (t, row) in self.r.iter().enumerate() {
             for (i, bit) in row.iter().enumerate() {
@@ -324,6 +330,24 @@ impl<'a> Model<'a> {
             values.insert(*u, value);
         }
         values
+    }
+
+    /// `[t][s]`: whether a stage from `t` on reads storage `s` before one runs its producer.
+    fn read_again(&self, plan: &StagePlan) -> Vec<Vec<bool>> {
+        let (n, m) = (plan.stages.len(), self.sg.storages.len());
+        let mut read = vec![vec![false; m]; n + 1];
+        for t in (0..n).rev() {
+            let (upto, later) = read.split_at_mut(t + 1);
+            let here = &mut upto[t];
+            here.copy_from_slice(&later[0]);
+            // A stage's groups run in order, each storage's producer before its readers.
+            for &g in plan.stages[t].compute.iter().rev() {
+                let group = &self.sg.groups[g];
+                group.outputs.iter().for_each(|&s| here[s] = false);
+                group.inputs.iter().for_each(|&s| here[s] = true);
+            }
+        }
+        read
     }
 
     fn solve(
