@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from . import blocks, tree
@@ -117,7 +118,7 @@ def capture(
     _sum_tied_grads(model, gm, outputs, output_bindings)
     _drop_running_stats_from_batch_norm_backward(gm)
     _views_as_reshapes(gm)
-    gm.recompile()  # the passes edit the graph; its code is made once, after them
+    gm = _LazyGraphModule.from_graphmodule(gm)  # the passes edited the graph: code only if read
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
     return Captured(gm, placeholders, bindings, outputs, output_bindings, out_spec, in_spec, consts, sizes)
