@@ -180,34 +180,18 @@ fn recomputing(
     budget: u64,
     options: &PlanOptions,
 ) -> Result<(Schedule, SolverStatus, Option<u64>)> {
-    // The hierarchy's plan (per-block ILPs, then the DP) does not need the heuristic: it runs on
-    // a second thread meanwhile. `None`: no hierarchy (Checkmate's path, which does).
     let hierarchy_options = options.hierarchy();
-    let (fallback, hierarchical) = std::thread::scope(|scope| {
-        let hierarchical = scope.spawn(|| {
-            let Some(hierarchy) = hierarchy_of(graph, sg, options, &hierarchy_options)? else {
-                return Ok(None);
-            };
-            // Both partitions' schedules, each with its hierarchy's status, chosen among at once.
-            let mut hierarchy = hierarchy;
-            let mut found = Found::default();
-            found.search(graph, sg, &mut hierarchy, budget, &hierarchy_options)?;
-            let fine = rockmate::finer_partition(sg, &hierarchy_options, &hierarchy.partition);
-            if let Some(fine) = fine {
-                let mut fine =
-                    Hierarchy::reusing(graph, sg, fine, &hierarchy_options, Some(&hierarchy))?;
-                found.search(graph, sg, &mut fine, budget, &hierarchy_options)?;
-            }
-            Ok(Some(found))
-        });
-        let fallback = heuristic(graph, sg, budget, store);
-        let hierarchical: Result<_> = hierarchical
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        (fallback, hierarchical)
-    });
-    let hierarchical = hierarchical?;
-    let fallback = match fallback {
+    let hierarchical = hierarchical(graph, sg, budget, options, &hierarchy_options)?;
+    let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
+    // The keep-set heuristic is searched only where the hierarchy's schedule recomputes more
+    // than a forward, or where it has none (`docs/decisions.md`, "Planning").
+    if let Some((schedule, status)) = hierarchical.as_ref().and_then(Found::best) {
+        if report(schedule).recomputed_time <= forward {
+            let lowest = hierarchical.as_ref().and_then(|found| found.lowest);
+            return Ok((schedule.clone(), *status, lowest));
+        }
+    }
+    let fallback = match heuristic(graph, sg, budget, store) {
         Ok(fallback) => fallback,
         Err(Error::Infeasible { min_budget, .. }) => {
             let Some(found) = hierarchical else {
@@ -244,18 +228,42 @@ fn recomputing(
     found.near.push((heuristic, SolverStatus::Fallback));
     let lowest = found.lowest;
     let (schedule, status) = found.chosen().expect("the heuristic's schedule fits");
-    let report = schedule.predicted.expect("simulated");
-    let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
-    if status != SolverStatus::Fallback && report.recomputed_time <= forward {
+    let time = report(&schedule).time;
+    if status != SolverStatus::Fallback && report(&schedule).recomputed_time <= forward {
         return Ok((schedule, status, lowest));
     }
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than a forward
     // (near the smallest budget), the heuristic's with more kept may be faster.
     let kept = kept_more(graph, sg, budget, recompute, dropped)?;
-    if kept.predicted.expect("simulated").time < report.time {
+    if report(&kept).time < time {
         return Ok((kept, SolverStatus::Fallback, lowest));
     }
     Ok((schedule, status, lowest))
+}
+
+/// What the hierarchical solvers find on both partitions, each schedule with its hierarchy's
+/// status; `None` without a hierarchy (Checkmate's path).
+fn hierarchical(
+    graph: &Graph,
+    sg: &SimpleGraph,
+    budget: u64,
+    options: &PlanOptions,
+    hierarchy_options: &HierarchyOptions,
+) -> Result<Option<Found>> {
+    let Some(mut hierarchy) = hierarchy_of(graph, sg, options, hierarchy_options)? else {
+        return Ok(None);
+    };
+    let mut found = Found::default();
+    found.search(graph, sg, &mut hierarchy, budget, hierarchy_options)?;
+    if let Some(fine) = rockmate::finer_partition(sg, hierarchy_options, &hierarchy.partition) {
+        let mut fine = Hierarchy::reusing(graph, sg, fine, hierarchy_options, Some(&hierarchy))?;
+        found.search(graph, sg, &mut fine, budget, hierarchy_options)?;
+    }
+    Ok(Some(found))
+}
+
+fn report(schedule: &Schedule) -> crate::schedule::Report {
+    schedule.predicted.expect("simulated")
 }
 
 /// Where keeping nothing peaks above `budget` (at `min_budget`): the hierarchy's fastest
@@ -329,8 +337,13 @@ impl Found {
 
     /// The schedule [`chosen`] among those found, with its search's status.
     fn chosen(self) -> Option<(Schedule, SolverStatus)> {
-        let report = |(s, _): &(Schedule, SolverStatus)| s.predicted.expect("simulated");
-        chosen(self.grid, self.near, report)
+        chosen(self.grid, self.near, |(s, _)| report(s))
+    }
+
+    /// The schedule [`Found::chosen`] gives, borrowed.
+    fn best(&self) -> Option<&(Schedule, SolverStatus)> {
+        let (grid, near) = (self.grid.iter().collect(), self.near.iter().collect());
+        chosen(grid, near, |(s, _)| report(s))
     }
 }
 
