@@ -184,7 +184,7 @@ fn recomputing(
     let hierarchical = hierarchical(graph, sg, budget, options, &hierarchy_options)?;
     let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
     // The keep-set heuristic is searched only where the hierarchy's schedule recomputes more
-    // than a forward, or where it has none (`docs/decisions.md`, "Planning").
+    // than a forward, or where it has none (`docs/decisions.md`, "The planner").
     if let Some((schedule, status)) = hierarchical.as_ref().and_then(Found::best) {
         if report(schedule).recomputed_time <= forward {
             let lowest = hierarchical.as_ref().and_then(|found| found.lowest);
