@@ -225,7 +225,7 @@ fn recomputing(
         schedule: heuristic,
         ..
     } = fallback;
-    found.near.push((heuristic, SolverStatus::Fallback));
+    found.near.push((heuristic.clone(), SolverStatus::Fallback));
     let lowest = found.lowest;
     let (schedule, status) = found.chosen().expect("the heuristic's schedule fits");
     let time = report(&schedule).time;
@@ -234,7 +234,7 @@ fn recomputing(
     }
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than a forward
     // (near the smallest budget), the heuristic's with more kept may be faster.
-    let kept = kept_more(graph, sg, budget, recompute, dropped)?;
+    let kept = kept_more(graph, sg, budget, recompute, dropped, heuristic)?;
     if report(&kept).time < time {
         return Ok((kept, SolverStatus::Fallback, lowest));
     }
@@ -486,8 +486,8 @@ const KEEP_MORE_OPS: usize = 5_000_000;
 /// Stages after a peak from which [`kept_more`] tries to keep a storage late, at most.
 const LATE_TRIES: usize = 4;
 
-/// The heuristic's schedule (all but the first `dropped` storages of [`baseline::drop_order`]
-/// kept, within `recompute`'s scope) with more storages kept. Near the keep-nothing schedule's
+/// `start`, the heuristic's schedule (all but the first `dropped` storages of
+/// [`baseline::drop_order`] kept, within `recompute`'s scope), with more storages kept. Near the keep-nothing schedule's
 /// peak the family keeps nothing, and every backward stage recomputes from the inputs. Each
 /// storage it drops, the most recomputation time per byte first, is tried kept from its
 /// production, else from the first backward stage that recomputes it, else from the first one
@@ -501,14 +501,14 @@ fn kept_more(
     budget: u64,
     recompute: Recompute,
     dropped: usize,
+    start: Schedule,
 ) -> Result<Schedule> {
     let runs = sg.stage_runs(recompute);
     let order = baseline::drop_order(sg);
     let mut keep = vec![false; sg.storages.len()];
     order[dropped..].iter().for_each(|&s| keep[s] = true);
-    let (_, start) = keep_set_simulated(graph, sg, &keep, &runs)?;
     let mut late: Vec<Option<usize>> = vec![None; sg.storages.len()];
-    let time = |s: &Schedule| s.predicted.expect("simulated").time;
+    let time = |s: &Schedule| report(s).time;
     let mut best = start;
     let work = std::cell::Cell::new(0);
     let tried = |keep: &[bool], late: &[Option<usize>], best: &mut Schedule| {
