@@ -1,7 +1,8 @@
 """Compiled phases (``Remat(..., compile=True)``): the planned forward and backward, recomputations
-included, run through Inductor on CPU. Gradients match eager PyTorch's (dropout draws the same
-numbers), and the step's peak RSS, which sees Inductor's own buffers, stays under the budget and
-never rises when the budget falls."""
+included, run through Inductor on CPU. Gradients match eager PyTorch's where dropout draws eager's
+numbers (``fallback_random``), and are the loss's derivative where it draws Inductor's, and the
+step's peak RSS, which sees Inductor's own buffers, stays under the budget and never rises when the
+budget falls."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def _gpt2(dropout: float, layers: int = 2, embd: int = 64, vocab: int = 512):
     return GPT2LMHeadModel(config).train()
 
 
+@torch._inductor.config.patch(fallback_random=True)
 def test_compiled_phases_give_eager_gradients_with_dropout():
+    """With ``fallback_random`` (torch.compile's switch for eager's random numbers), dropout draws
+    plain PyTorch's masks, replays included."""
     torch.manual_seed(0)
     model = _gpt2(dropout=0.1)
     reference = _gpt2(dropout=0.1)
@@ -52,6 +56,40 @@ def test_compiled_phases_give_eager_gradients_with_dropout():
             losses.append(loss.detach())
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
         assert_close_grads(_grads(model), _grads(reference), rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_dropout_from_inductors_generator_gives_the_losss_derivative():
+    """Under torch.compile's default, dropout draws from Inductor's generator, and a mask drawn
+    again in the backward is drawn from its forward's seed: the gradient is the derivative of
+    the loss the forward computed. Checked along a random direction by central differences of
+    steps that draw the same masks (the same seed), in float64."""
+    torch.manual_seed(0)
+    model = _gpt2(dropout=0.3).double()
+    tokens = torch.randint(512, (2, 64))
+    rm = remat.Remat(model, tokens, 0.4, compile=True)
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = rm(tokens).logits.pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    step(), step()  # measures the loss; compiles the plan made for it
+    runs = rm.plan.schedule.runs()
+    assert any(remat.inductor.seeded(n) and runs[n.id] > 1 for n in rm._plan.graph.nodes)
+    step()
+    params = [p for p in model.parameters() if p.grad is not None]
+    direction = [torch.randn_like(p) for p in params]
+    slope = sum((p.grad * d).sum() for p, d in zip(params, direction))
+    eps = 1e-6
+    losses = []
+    for sign in (1, -2):
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.add_(d, alpha=sign * eps)
+        losses.append(step())
+    torch.testing.assert_close((losses[0] - losses[1]) / (2 * eps), slope, rtol=1e-5, atol=1e-9)
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -273,6 +273,7 @@ def test_planning_under_a_running_profiler_warns_and_measuring_there_raises(capl
     assert "torch.profiler is running" in caplog.text
 
 
+@torch._inductor.config.patch(fallback_random=True)  # eager's draws, to compare with plain PyTorch
 def test_a_compiled_plan_recomputes_dropout_from_its_mask_and_draws_once() -> None:
     """GELU's backward reads dropout's output, so a compiled plan under 60% of the plain peak
     recomputes it: from the input and the mask the backward keeps, with each dropout drawn once

@@ -170,6 +170,7 @@ def test_saved_plans_serve_every_length_without_planning(tmp_path, caplog: pytes
     assert len(again._plan.levels.solved()) == levels > 0
 
 
+@torch._inductor.config.patch(fallback_random=True)  # dropout draws plain PyTorch's masks
 def test_compiled_phases_serve_every_length_compiled_once(caplog: pytest.LogCaptureFixture) -> None:
     """``compile=True``: Inductor compiles each phase once, with symbolic sizes, and the bound's
     plan runs at every length within the budget, with plain PyTorch's loss and gradients."""

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._prims import rng_prims
 
 from .graph import IN_PLACE, JointGraph, device_of
-from .inductor import CompiledPhase
+from .inductor import CompiledPhase, seed, seeded, seeded_dropout
 from .layout import in_layout
 from .memory import Allocations
 from .profile import value_meta
@@ -122,8 +122,10 @@ def _emit(
     parameter's layout as soon as they are made.
 
     ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states[, sizes])``, each
-    input's placeholder with its captured (fake) tensor as ``meta["captured"]``: random nodes
-    run through the RNG operators Inductor knows, and a sum into a gradient (``IN_PLACE``) stays
+    input's placeholder with its captured (fake) tensor as ``meta["captured"]``: a replayed
+    dropout draws its mask from a seed, which the forward phase hands over where it would hand an
+    RNG state (``inductor.seeded``), other replayed random nodes run through the RNG operators
+    Inductor knows, and a sum into a gradient (``IN_PLACE``) stays
     out of place (Inductor reuses the dying buffer itself). ``mark``: the prefix of the span marked
     after each op (``build_phases``)."""
     layouts = layouts or {}
@@ -174,7 +176,11 @@ def _emit(
         )
         in_place = node.fx_node.meta.get(IN_PLACE) and not compiled
         target = torch.ops.aten.add_.Tensor if in_place else node.fx_node.target
-        if node.id in replayed and compiled:
+        if node.id in replayed and compiled and seeded(node):  # the mask from a seed, in Inductor's code
+            if node.id not in states:
+                states[node.id] = _call(graph, seed, (device_of(node),), {}, "seed")
+            result = _call(graph, seeded_dropout, (states[node.id], *args), kwargs, node.fx_node.name)
+        elif node.id in replayed and compiled:
             if node.id in states:
                 result = _call(graph, rng_prims.run_with_rng_state, (states[node.id], target, *args), kwargs, "replay")
             else:
