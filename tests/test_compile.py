@@ -58,7 +58,7 @@ def test_compiled_phases_give_eager_gradients_with_dropout():
         assert_close_grads(_grads(model), _grads(reference), rtol=1e-4, atol=1e-6)
 
 
-def test_compiled_dropout_from_inductors_generator_gives_the_losss_derivative():
+def test_compiled_dropout_from_inductors_generator_gives_the_derivative_of_the_loss():
     """Under torch.compile's default, dropout draws from Inductor's generator, and a mask drawn
     again in the backward is drawn from its forward's seed: the gradient is the derivative of
     the loss the forward computed. Checked along a random direction by central differences of
