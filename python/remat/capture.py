@@ -309,6 +309,16 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+def drawing_dropout(node: fx.Node) -> torch.Tensor | None:
+    """The captured input of ``node`` where it is a dropout that draws (``aten.native_dropout``
+    in training, its probability strictly between 0 and 1, its input a tensor), else ``None``."""
+    if node.target is not torch.ops.aten.native_dropout.default:
+        return None
+    x, p, train = (*node.args, None)[:3]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return val if train is not False and 0 < p < 1 and isinstance(val, torch.Tensor) else None
+
+
 def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
     """Dropout's output is read as its input times its mask times ``1 / (1 - p)``, the mask being
     the random draw: recomputing the output then reads the mask, which the backward keeps anyway,
@@ -319,12 +329,10 @@ def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
     aten = torch.ops.aten
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
-        if node.target is not aten.native_dropout.default:
+        val = drawing_dropout(node)
+        if val is None:
             continue
-        x, p, train = (*node.args, None)[:3]
-        val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if train is False or not 0 < p < 1 or not isinstance(val, torch.Tensor):
-            continue
+        x, p = node.args[:2]
         if val.device.type != "cpu" and val.dtype not in (torch.float32, torch.float64):
             continue
         parts = {u.args[1]: u for u in node.users if u.target is operator.getitem}

@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
+from .capture import drawing_dropout
 from .graph import JointGraph, Node
 from .sizes import Sizes, symbolic
 
@@ -73,12 +74,10 @@ def seeded(node: Node) -> bool:
     (a probability strictly between 0 and 1, a floating-point input) where
     ``torch._inductor.config.fallback_random`` is off. Its first run and its replays then draw
     the same mask from the seed, in code Inductor generates (``seeded_dropout``)."""
-    fx_node = node.fx_node
-    if inductor_config.fallback_random or fx_node.target is not torch.ops.aten.native_dropout.default:
+    if inductor_config.fallback_random:
         return False
-    x, p, train = (*fx_node.args, None)[:3]
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return train is not False and 0 < p < 1 and isinstance(val, torch.Tensor) and val.is_floating_point()
+    val = drawing_dropout(node.fx_node)
+    return val is not None and val.is_floating_point()
 
 
 def seed(device: str) -> torch.Tensor:

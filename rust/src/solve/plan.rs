@@ -487,14 +487,14 @@ const KEEP_MORE_OPS: usize = 5_000_000;
 const LATE_TRIES: usize = 4;
 
 /// `start`, the heuristic's schedule (all but the first `dropped` storages of
-/// [`baseline::drop_order`] kept, within `recompute`'s scope), with more storages kept. Near the keep-nothing schedule's
-/// peak the family keeps nothing, and every backward stage recomputes from the inputs. Each
-/// storage it drops, the most recomputation time per byte first, is tried kept from its
-/// production, else from the first backward stage that recomputes it, else from the first one
-/// after the stage where that schedule peaked ([`baseline::keep_set`]'s `late`); it stays kept
-/// where the schedule then keeps `budget` and runs faster. On the saved UNet, nn.Transformer and
-/// encoder at their smallest budgets, 9.05, 17.77 and 6.09 recomputed forwards become 0.33, 0.94
-/// and 1.11. At most [`KEEP_MORE_OPS`] ops are simulated and replayed.
+/// [`baseline::drop_order`] kept, within `recompute`'s scope), with more storages kept. Near the
+/// keep-nothing schedule's peak the family keeps nothing, and every backward stage recomputes
+/// from the inputs. Each storage it drops, the most recomputation time per byte first, is tried
+/// kept from its production, else from the first backward stage that recomputes it, else from
+/// the first one after the stage where that schedule peaked ([`baseline::keep_set`]'s `late`); it
+/// stays kept where the schedule then keeps `budget` and runs faster. On the saved UNet,
+/// nn.Transformer and encoder at their smallest budgets, 9.05, 17.77 and 6.09 recomputed forwards
+/// become 0.33, 0.94 and 1.11. At most [`KEEP_MORE_OPS`] ops are simulated and replayed.
 fn kept_more(
     graph: &Graph,
     sg: &SimpleGraph,
