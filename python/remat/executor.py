@@ -1,9 +1,9 @@
-"""Build a schedule's forward and backward phases as FX graphs, which one autograd Function runs
-(``step.Step``).
+"""Build a schedule's forward and backward phases as Python functions (``codegen``), or for
+Inductor as FX graphs, which one autograd Function runs (``step.Step``).
 
 Each phase is generated from the schedule's op sequence: a node computed again in the backward
-phase appears there again as a new FX node. Values die where FX's code frees them, after their
-last use in the phase; values alive at the end of the forward phase and used by the backward
+phase appears there again as a new line (FX node). Values die where the code deletes them, after
+their last use in the phase; values alive at the end of the forward phase and used by the backward
 phase are handed over as the saved tensors. Inputs arrive in a list that the generated code
 clears, so nothing outside the phase keeps a freed value alive. A random node computed more than
 once replays the RNG state saved just before its first run.
@@ -14,11 +14,13 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._prims import rng_prims
 
+from .codegen import Code
 from .graph import IN_PLACE, JointGraph, device_of
 from .inductor import CompiledPhase, seed, seeded, seeded_dropout
 from .layout import in_layout
@@ -66,10 +68,14 @@ def build_phases(g: JointGraph, schedule: Schedule, compiled: bool = False, mark
     fwd_inputs = _graph_inputs_used(g, fwd_ops, forward_outputs)
     marks = ("forward:", "backward:") if marked else (None, None)
     fwd_outputs = forward_outputs + saved
-    forward = _emit(g, fwd_ops, fwd_inputs, [], fwd_outputs, replayed, bwd_rng, compiled=compiled, mark=marks[0])
+    forward = _emit(
+        "forward", g, fwd_ops, fwd_inputs, [], fwd_outputs, replayed, bwd_rng, compiled=compiled, mark=marks[0]
+    )
     bwd_inputs = _graph_inputs_used(g, bwd_ops, grads)
     layouts = {vid: (tuple(ph.meta["val"].shape), ph.meta["val"].stride()) for vid, ph in g.param_grads().items()}
-    backward = _emit(g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled, marks[1])
+    backward = _emit(
+        "backward", g, bwd_ops, bwd_inputs + saved, bwd_rng, grads, replayed, [], layouts, compiled, marks[1]
+    )
     if compiled:
         forward, backward = CompiledPhase(forward, False, g.sizes), CompiledPhase(backward, True, g.sizes)
     sized = g.sizes is not None
@@ -105,6 +111,7 @@ def _graph_inputs_used(g: JointGraph, ops: tuple[Op, ...], outputs: list[int]) -
 
 
 def _emit(
+    name: str,
     g: JointGraph,
     ops: tuple[Op, ...],
     inputs: list[int],
@@ -115,11 +122,11 @@ def _emit(
     layouts: dict[int, tuple] | None = None,
     compiled: bool = False,
     mark: str | None = None,
-) -> fx.GraphModule:
-    """One phase as an FX graph: ``f([*inputs, *rng states]) -> (*outputs, *rng states)``, with
-    the call's sizes (``Sizes.evaluate``) last among the inputs where the graph has symbolic sizes.
-    ``layouts``: parameter gradients (value id -> the parameter's shape and strides), put in the
-    parameter's layout as soon as they are made.
+) -> Callable[[list], tuple] | fx.GraphModule:
+    """One phase, the function ``name`` (``codegen``): ``f([*inputs, *rng states]) -> (*outputs,
+    *rng states)``, with the call's sizes (``Sizes.evaluate``) last among the inputs where the
+    graph has symbolic sizes. ``layouts``: parameter gradients (value id -> the parameter's shape
+    and strides), put in the parameter's layout as soon as they are made.
 
     ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states[, sizes])``, each
     input's placeholder with its captured (fake) tensor as ``meta["captured"]``: a replayed
@@ -129,10 +136,11 @@ def _emit(
     out of place (Inductor reuses the dying buffer itself). ``mark``: the prefix of the span marked
     after each op (``build_phases``)."""
     layouts = layouts or {}
-    graph = fx.Graph()
-    env: dict[int, fx.Node] = {}
-    states: dict[int, fx.Node] = {}
+    env: dict[int, Any] = {}  # value id -> its node (compiled) or local
+    states: dict[int, Any] = {}
     if compiled:
+        b: _Fx | Code = _Fx()
+        graph = b.graph
         for vid in inputs:
             env[vid] = graph.placeholder(_clean(g.values[vid].name))
             env[vid].meta["captured"] = value_meta(g, g.values[vid])
@@ -141,15 +149,16 @@ def _emit(
         if g.sizes is not None:
             call_sizes = graph.placeholder("sizes")
     else:
-        boxed = graph.placeholder("inputs")
+        b, graph = Code(name), None
+        boxed = b.inputs
         for i, vid in enumerate(inputs):
-            env[vid] = _call(graph, operator.getitem, (boxed, i), {}, g.values[vid].name)
+            env[vid] = b.call(operator.getitem, (boxed, i), {}, g.values[vid].name)
         for j, nid in enumerate(rng_inputs):
-            states[nid] = _call(graph, operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
+            states[nid] = b.call(operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
         if g.sizes is not None:
-            call_sizes = _call(graph, operator.getitem, (boxed, len(inputs) + len(rng_inputs)), {}, "sizes")
-        graph.call_method("clear", (boxed,))
-    sized: dict[int, fx.Node] = {}
+            call_sizes = b.call(operator.getitem, (boxed, len(inputs) + len(rng_inputs)), {}, "sizes")
+        b.call_method(boxed, "clear")
+    sized: dict[int, Any] = {}
 
     def size_of(x):
         """The node reading a symbolic size from the call's sizes (a number that tracing made
@@ -159,62 +168,69 @@ def _emit(
         assert g.sizes is not None
         k = g.sizes.index(x)
         if k not in sized:
-            sized[k] = _call(graph, operator.getitem, (call_sizes, k), {}, "size")
+            sized[k] = b.call(operator.getitem, (call_sizes, k), {}, "size")
         return sized[k]
 
     for i, op in enumerate(ops):
         if mark is not None:
-            _call(graph, _mark, (f"{mark}{i - 1}" if i else f"{mark}start",), {}, "mark")
+            b.call(_mark, (f"{mark}{i - 1}" if i else f"{mark}start",), {}, "mark")
         if not op.computes:
             if op.value not in outputs:  # a released output is the caller's to drop
-                env.pop(op.value, None)  # FX frees a value after its last use anyway
+                env.pop(op.value, None)  # the code frees a value after its last use anyway
             continue
         node = g.nodes[op.node]
         args, kwargs = fx.node.map_arg(
             map_sizes((node.fx_node.args, node.fx_node.kwargs), size_of),
-            lambda a: a if a.graph is graph else env[g.value_of[a]],  # a size's node is the phase's
+            lambda a: a if a.graph is graph else env[g.value_of[a]],  # a size's FX node is the phase's
         )
         in_place = node.fx_node.meta.get(IN_PLACE) and not compiled
         target = torch.ops.aten.add_.Tensor if in_place else node.fx_node.target
         if node.id in replayed and compiled and seeded(node):  # the mask from a seed, in Inductor's code
             if node.id not in states:
-                states[node.id] = _call(graph, seed, (device_of(node),), {}, "seed")
-            result = _call(graph, seeded_dropout, (states[node.id], *args), kwargs, node.fx_node.name)
+                states[node.id] = b.call(seed, (device_of(node),), {}, "seed")
+            result = b.call(seeded_dropout, (states[node.id], *args), kwargs, node.fx_node.name)
         elif node.id in replayed and compiled:
             if node.id in states:
-                result = _call(graph, rng_prims.run_with_rng_state, (states[node.id], target, *args), kwargs, "replay")
+                result = b.call(rng_prims.run_with_rng_state, (states[node.id], target, *args), kwargs, "replay")
             else:
-                pair = _call(graph, rng_prims.run_and_save_rng_state, (target, *args), kwargs, "run")
-                states[node.id] = _call(graph, operator.getitem, (pair, 0), {}, "rng_state")
-                result = _call(graph, operator.getitem, (pair, 1), {}, node.fx_node.name)
+                pair = b.call(rng_prims.run_and_save_rng_state, (target, *args), kwargs, "run")
+                states[node.id] = b.call(operator.getitem, (pair, 0), {}, "rng_state")
+                result = b.call(operator.getitem, (pair, 1), {}, node.fx_node.name)
         elif node.id in replayed and node.id in states:  # a replay: same random numbers as the first run
             replay_args = (states[node.id], device_of(node), target, *args)
-            result = _call(graph, run_with_rng_state, replay_args, kwargs, node.fx_node.name)
+            result = b.call(run_with_rng_state, replay_args, kwargs, node.fx_node.name)
         else:
             if node.id in replayed:  # the first run draws from the caller's generator, as plain PyTorch
-                states[node.id] = _call(graph, save_rng_state, (device_of(node),), {}, "rng_state")
-            result = _call(graph, target, args, kwargs, node.fx_node.name)
+                states[node.id] = b.call(save_rng_state, (device_of(node),), {}, "rng_state")
+            result = b.call(target, args, kwargs, node.fx_node.name)
         for vid in node.outputs:
             index = g.values[vid].index
-            env[vid] = (
-                result if index is None else _call(graph, operator.getitem, (result, index), {}, g.values[vid].name)
-            )
+            env[vid] = result if index is None else b.call(operator.getitem, (result, index), {}, g.values[vid].name)
             if vid in layouts:
-                env[vid] = _call(graph, in_layout, (env[vid], *layouts[vid]), {}, g.values[vid].name)
+                env[vid] = b.call(in_layout, (env[vid], *layouts[vid]), {}, g.values[vid].name)
     if mark is not None and ops:
-        _call(graph, _mark, (f"{mark}{len(ops) - 1}",), {}, "mark")
-    graph.output((*[env[v] for v in outputs], *[states[n] for n in rng_outputs]))
+        b.call(_mark, (f"{mark}{len(ops) - 1}",), {}, "mark")
+    results = [*[env[v] for v in outputs], *[states[n] for n in rng_outputs]]
+    if isinstance(b, Code):
+        return b.function(results)
+    graph.output(tuple(results))
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+class _Fx:
+    """The FX graph of a compiled phase, which Inductor takes: ``call`` as ``Code``'s."""
+
+    def __init__(self) -> None:
+        self.graph = fx.Graph()
+
+    def call(self, target, args, kwargs, name: str) -> fx.Node:
+        return self.graph.create_node("call_function", target, tuple(args), kwargs, name=_clean(name))
 
 
 def _mark(name: str) -> None:
     with Allocations.label(name):
         pass
-
-
-def _call(graph: fx.Graph, target, args, kwargs, name: str) -> fx.Node:
-    return graph.create_node("call_function", target, tuple(args), kwargs, name=_clean(name))
 
 
 def _clean(name: str) -> str:
