@@ -3,6 +3,8 @@ was, and lets go of each value right after its last read, as FX's generated code
 
 from __future__ import annotations
 
+import gc
+import linecache
 import math
 import operator
 import traceback
@@ -84,3 +86,13 @@ def test_a_failing_call_shows_its_line_in_the_traceback() -> None:
     with pytest.raises(ValueError) as info:
         code.function([])([])
     assert "bad_value_ = _g0(1)" in "".join(traceback.format_tb(info.tb))
+
+
+def test_the_source_is_kept_while_the_function_lives() -> None:
+    code = Code("phase")
+    function = code.function([code.call(operator.add, (1, 2), {}, "three")])
+    filename = function.__code__.co_filename
+    assert "three_ = _g0(1, 2)" in "".join(linecache.getlines(filename))
+    del function
+    gc.collect()
+    assert filename not in linecache.cache

@@ -4,14 +4,15 @@ build a graph and generate its code (a phase of GPT-2 48L has some 6000 ops, and
 builds two).
 
 Constants other than small numbers, strings and ``None`` (dtypes, devices, floats, the ops) are
-the function's globals; the source is kept by ``linecache``, so tracebacks show the line that
-failed."""
+the function's globals; ``linecache`` keeps the source while the function lives, so tracebacks
+show the line that failed."""
 
 from __future__ import annotations
 
 import itertools
 import linecache
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,9 @@ class Code:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         namespace = dict(self._globals)
         exec(compile(source, filename, "exec"), namespace)
-        return namespace[self.name]
+        function = namespace[self.name]
+        weakref.finalize(function, linecache.cache.pop, filename, None)  # the source lives as long
+        return function
 
     def _fresh(self, name: str) -> str:
         clean = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "v"
