@@ -72,9 +72,10 @@ def test_each_value_dies_after_its_last_read_and_outputs_live_on() -> None:
 def test_names_that_clash_with_keywords_or_each_other_still_compile() -> None:
     code = Code("phase")
     values = [
-        code.call(operator.add, (1, i), {}, name) for i, name in enumerate(("if", "None", "a-b", "a_b", "1x", "a_b"))
+        code.call(operator.add, (1, i), {}, name)
+        for i, name in enumerate(("if", "None", "a-b", "a_b", "1x", "a_b", "x²"))
     ]
-    assert code.function(values)([]) == tuple(range(1, 7))
+    assert code.function(values)([]) == tuple(range(1, 8))
 
 
 def test_a_failing_call_shows_its_line_in_the_traceback() -> None:

@@ -91,7 +91,7 @@ class Code:
         return function
 
     def _fresh(self, name: str) -> str:
-        clean = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "v"
+        clean = "".join(c if c.isascii() and c.isalnum() else "_" for c in name) or "v"
         if not clean[0].isalpha():
             clean = f"v_{clean}"
         k = self._names.get(clean, 0)
