@@ -1,7 +1,7 @@
 """An eager phase's Python function, written directly: one line per op, each value a local deleted
-after its last use, as FX's generated code frees it, in about a third of the time FX takes to
-build a graph and generate its code (a phase of GPT-2 48L has some 6000 ops, and every new plan
-builds two).
+after its last use, as FX's generated code frees it, in about half the time FX takes to build a
+graph and generate its code (a phase of GPT-2 48L has some 6000 ops, and every new plan builds
+two).
 
 Constants other than small numbers, strings and ``None`` (dtypes, devices, floats, the ops) are
 the function's globals; ``linecache`` keeps the source while the function lives, so tracebacks
