@@ -34,7 +34,8 @@ pub(super) const POLISH_ROUNDS: usize = 4;
 /// `best` with single blocks' options changed while that makes the composed schedule faster
 /// within `budget` (the sequence's ops stay, only one block's option changes at a time): the DP
 /// gives the blocks of a segment one profile of options, where the optimum may give each its
-/// own (`docs/decisions.md`, "Polish").
+/// own (`docs/decisions.md`, "Polish"). Each block's options are tried fastest first by the
+/// chain's model, which is cheap, and composed, which is not, until one is faster composed.
 pub(super) fn polish(
     graph: &Graph,
     sg: &SimpleGraph,
@@ -46,27 +47,27 @@ pub(super) fn polish(
     for _ in 0..POLISH_ROUNDS {
         let mut improved = false;
         for block in 0..chain.len() {
-            for option in 0..chain.blocks[block].options.len() {
-                let ops = with_option(&best.ops, block, option);
-                if ops == best.ops {
-                    continue;
-                }
-                let Ok(report) = chain.simulate(&ops) else {
-                    continue;
-                };
-                // The chain's peak is not the composed one's, but moves with it.
-                let slack = budget - best.report().peak_bytes;
-                if report.time >= best.chain.time - 1e-9
-                    || report.peak_bytes > best.chain.peak_bytes + slack
-                {
-                    continue;
-                }
+            // The chain's peak is not the composed one's, but moves with it.
+            let slack = budget - best.report().peak_bytes;
+            let mut tries: Vec<(Vec<ChainOp>, crate::schedule::Report)> =
+                (0..chain.blocks[block].options.len())
+                    .filter_map(|option| {
+                        let ops = with_option(&best.ops, block, option);
+                        let report = chain.simulate(&ops).ok()?;
+                        let faster = report.time < best.chain.time - 1e-9;
+                        let fits = report.peak_bytes <= best.chain.peak_bytes + slack;
+                        (ops != best.ops && faster && fits).then_some((ops, report))
+                    })
+                    .collect();
+            tries.sort_by(|a, b| a.1.time.total_cmp(&b.1.time));
+            for (ops, report) in tries {
                 let composed = hierarchy.compose(graph, sg, ops, report)?;
                 if composed.report().peak_bytes <= budget
                     && composed.report().better_than(&best.report())
                 {
                     best = composed;
                     improved = true;
+                    break;
                 }
             }
         }
