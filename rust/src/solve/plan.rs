@@ -105,11 +105,8 @@ impl PlanOptions {
 const SAVED_LEVELS: &[u64] = &[4, 10, 20, 40, 60, 80];
 /// Peak budgets at which Rockmate solves each block class's ILP.
 const PEAK_LEVELS: usize = 2;
-/// Most options per block: the DP's time grows with them. Where a class has more, a spread over
-/// their saved bytes is kept, so which ones depends on every option found: with 16, the 4 and 10%
-/// limits made plans of GPT-2 6L's compiled graph at 30% and 0% of its range 1.3% and 1.1%
-/// slower, having cut options the plans used; with 24 (or 32) they do not.
-const MAX_OPTIONS: usize = 24;
+/// Most options per block: the DP's time grows with them.
+const MAX_OPTIONS: usize = 16;
 /// Branch-and-bound nodes each per-block ILP may explore: a limit that gives the same plan on
 /// every machine and under any load (with a time limit of 0.2 s, the plan for GPT-2 2L at 20% of
 /// its budget range varied by 4% from run to run). Its incumbent only adds an option, and the
