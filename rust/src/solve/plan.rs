@@ -97,12 +97,10 @@ impl PlanOptions {
     }
 }
 
-/// Limits on the saved bytes at which Rockmate solves each block class's ILP, in percent of the
-/// keep-set family's range: Rockmate's options of different sizes. On residual nets of narrow
-/// layers, 4 levels instead of 2 brought the worst case from 2.2x to 1.45x the optimum, at twice
-/// the planning time; 4 and 10% make GPT-2's plans up to 6% faster near the smallest budget,
-/// where the fastest keep little per layer (`docs/decisions.md`, "Options").
-const SAVED_LEVELS: &[u64] = &[4, 10, 20, 40, 60, 80];
+/// Limits on the saved bytes at which Rockmate solves each block class's ILP: Rockmate's options
+/// of different sizes (on residual nets of narrow layers, 4 instead of 2 brought the worst case
+/// from 2.2x to 1.45x the optimum, at twice the planning time).
+const SAVED_LEVELS: usize = 4;
 /// Peak budgets at which Rockmate solves each block class's ILP.
 const PEAK_LEVELS: usize = 2;
 /// Most options per block: the DP's time grows with them.

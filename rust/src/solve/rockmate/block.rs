@@ -442,9 +442,9 @@ fn option_of(sub: &SimpleGraph, plan: &StagePlan) -> OptionPlan {
 /// How a block's options are searched.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OptionSearch {
-    /// Per-block ILPs ([`ilp_requests`]), besides the keep-set family: limits on the saved bytes
-    /// at `saved_levels` (percentages of the family's range) and `peak_levels` peak budgets.
-    pub saved_levels: &'static [u64],
+    /// Per-block ILPs ([`ilp_requests`]), besides the keep-set family: `saved_levels` limits on
+    /// the saved bytes and `peak_levels` peak budgets.
+    pub saved_levels: usize,
     pub peak_levels: usize,
     /// Seconds for each ILP.
     pub ilp_time_limit: f64,
@@ -570,17 +570,20 @@ impl<'a> Search<'a> {
     }
 }
 
-/// `(peak budget, saved limit)` of each per-block ILP: limits on the bytes the forward saves at
-/// `saved_levels` of the keep-set family's range, under its largest peak (Rockmate's options of
-/// different sizes), and `peak_levels` peak budgets with no such limit, spread evenly between the
-/// family's extremes.
+/// `(peak budget, saved limit)` of each per-block ILP: `saved_levels` limits on the bytes the
+/// forward saves under the keep-set family's largest peak (Rockmate's options of different
+/// sizes), and `peak_levels` peak budgets with no such limit, each spread between the family's
+/// extremes.
 fn ilp_requests(family: &[SequenceCost], search: &OptionSearch) -> Vec<(u64, Option<u64>)> {
     let peak = |c: &SequenceCost| c.forward_peak.max(c.backward_peak);
     let (low, high) = extremes(family.iter().map(peak));
     let (low_saved, high_saved) = extremes(family.iter().map(|c| c.end_forward));
-    let n_peak = search.peak_levels as u64 + 1;
-    let by_saved = search.saved_levels.iter().map(|&percent| {
-        let limit = low_saved + (high_saved - low_saved) * percent / 100;
+    let (n_saved, n_peak) = (
+        search.saved_levels as u64 + 1,
+        search.peak_levels as u64 + 1,
+    );
+    let by_saved = (1..n_saved).map(|k| {
+        let limit = low_saved + (high_saved - low_saved) * k / n_saved;
         (high, Some(limit))
     });
     let by_peak = (1..n_peak).map(|k| (low + (high - low) * k / n_peak, None));
