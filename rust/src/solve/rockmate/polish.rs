@@ -49,16 +49,16 @@ pub(super) fn polish(
         for block in 0..chain.len() {
             // The chain's peak is not the composed one's, but moves with it.
             let slack = budget - best.report().peak_bytes;
-            let mut tries: Vec<(Vec<ChainOp>, crate::schedule::Report)> =
-                (0..chain.blocks[block].options.len())
-                    .filter_map(|option| {
-                        let ops = with_option(&best.ops, block, option);
-                        let report = chain.simulate(&ops).ok()?;
-                        let faster = report.time < best.chain.time - 1e-9;
-                        let fits = report.peak_bytes <= best.chain.peak_bytes + slack;
-                        (ops != best.ops && faster && fits).then_some((ops, report))
-                    })
-                    .collect();
+            let mut tries: Vec<(Vec<ChainOp>, Report)> = (0..chain.blocks[block].options.len())
+                .map(|option| with_option(&best.ops, block, option))
+                .filter(|ops| *ops != best.ops)
+                .filter_map(|ops| {
+                    let report = chain.simulate(&ops).ok()?;
+                    let faster = report.time < best.chain.time - 1e-9;
+                    let fits = report.peak_bytes <= best.chain.peak_bytes + slack;
+                    (faster && fits).then_some((ops, report))
+                })
+                .collect();
             tries.sort_by(|a, b| a.1.time.total_cmp(&b.1.time));
             for (ops, report) in tries {
                 let composed = hierarchy.compose(graph, sg, ops, report)?;
