@@ -350,3 +350,25 @@ def test_compiled_phases_hold_no_buffer_the_plan_freed():
     predicted = schedule.predicted
     backward = predicted.backward_start_bytes + measured.backward
     assert backward <= predicted.backward_peak_bytes, (measured, predicted)
+
+
+def test_a_compiled_phase_returns_a_mask_it_computes_as_bool_from_bytes():
+    """Inductor's CPU code stores a ``bool`` slowly, so a compiled phase's code stores a mask it
+    computes as ``uint8``, which the phase views as ``bool``: the caller gets eager's values and
+    dtype. A ``bool`` input the phase returns passes through as it is."""
+    from remat.inductor import CompiledPhase, _masks_as_bytes
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def phase(x: torch.Tensor, keep: torch.Tensor):
+        mask = x > 0.5
+        return x * mask, mask, keep
+
+    gm = make_fx(phase)(torch.randn(64, 32), torch.ones(3, dtype=torch.bool))
+    x, keep = torch.randn(64, 32), torch.rand(3) > 0.5
+    out, mask, same = CompiledPhase(gm, backward=False)([x, keep])
+    assert mask.dtype == torch.bool and torch.equal(mask, x > 0.5) and torch.equal(out, x * (x > 0.5))
+    assert same.data_ptr() == keep.data_ptr() and same.dtype == torch.bool
+    traced = make_fx(phase, tracing_mode="fake")(x, keep)
+    assert _masks_as_bytes(traced) == [1]
+    (results,) = next(n for n in traced.graph.nodes if n.op == "output").args
+    assert [r.meta["val"].dtype for r in results] == [torch.float32, torch.uint8, torch.bool]

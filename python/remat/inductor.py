@@ -216,4 +216,43 @@ def _compile(
         with V.set_fake_mode(detect_fake_mode(examples)):
             if replace_random_passes(traced):  # Inductor's generator, as compile_fx's joint passes give it
                 traced.recompile()
-        return compile_fx_inner(traced, examples, is_backward=backward)
+        masks = _masks_as_bytes(traced)
+        compiled = compile_fx_inner(traced, examples, is_backward=backward)
+    if not masks:
+        return compiled
+
+    def run(args: list) -> list:
+        out = list(compiled(args))
+        for i in masks:
+            out[i] = out[i].view(torch.bool)
+        return out
+
+    return run
+
+
+def _masks_as_bytes(traced: fx.GraphModule) -> list[int]:
+    """Makes each ``bool`` output of ``traced`` on CPU that its own code computes a ``uint8`` one
+    and returns their positions, for the caller to view as ``bool`` again (the same bytes):
+    Inductor's CPU code stores a ``bool`` slowly (a dropout mask handed to the backward cost its
+    kernel about as much as the draw). Inputs, views and fallback kernels' outputs stay as they are."""
+    out = next(n for n in traced.graph.nodes if n.op == "output")
+    results = list(out.args[0])
+    as_bytes: dict[fx.Node, fx.Node] = {}
+    changed = []
+    for i, r in enumerate(results):
+        val = r.meta.get("val") if isinstance(r, fx.Node) else None
+        computed = isinstance(r, fx.Node) and isinstance(r.target, torch._ops.OpOverload)
+        if not computed or r.target.is_view or r.target in fallbacks:
+            continue
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.device.type != "cpu":
+            continue
+        if r not in as_bytes:
+            with traced.graph.inserting_before(out):
+                as_bytes[r] = traced.graph.call_function(torch.ops.prims.convert_element_type.default, (r, torch.uint8))
+            as_bytes[r].meta["val"] = val.to(torch.uint8)
+        results[i] = as_bytes[r]
+        changed.append(i)
+    if changed:
+        out.args = (type(out.args[0])(results),)
+        traced.recompile()
+    return changed
