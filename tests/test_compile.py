@@ -372,3 +372,19 @@ def test_a_compiled_phase_returns_a_mask_it_computes_as_bool_from_bytes():
     assert _masks_as_bytes(traced) == [1]
     (results,) = next(n for n in traced.graph.nodes if n.op == "output").args
     assert [r.meta["val"].dtype for r in results] == [torch.float32, torch.uint8, torch.bool]
+
+
+def test_a_phase_traces_an_op_padding_by_an_amount_that_depends_on_a_symbolic_size():
+    """CUDA's attention pads its mask to a multiple of 8 of its symbolic length: the trace that
+    Inductor compiles a phase from takes ``constant_pad_nd`` by such an amount."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    symbolic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    mask = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.zeros(4, 40), symbolic_context=symbolic)
+
+    def pad(m: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.constant_pad_nd.default(m, [0, 8 - m.shape[-1] % 8], 0.0)
+
+    gm = remat.inductor.decomposed(pad)(mask)
+    assert [tuple(gm(torch.ones(2, n)).shape) for n in (40, 43)] == [(2, 48), (2, 48)]

@@ -1,10 +1,11 @@
 """A compiled plan's step peak, measured: what Inductor's code holds, not only the plan's ops.
 
-Inductor fuses chains of ops (their intermediates are never allocated) and reuses dying buffers,
-so a compiled phase mostly holds less than the plan predicts from the eager ops; its generated
+Inductor fuses chains of ops (their intermediates are never allocated), so a compiled phase
+mostly holds less than the plan predicts from the eager ops; its generated
 code may also hold a buffer past the point where the plan frees it. A compiled plan is measured
 before it runs a step: both phases run once on the planning inputs (the generator's state
-restored after), each under the allocator's recorded events, the outputs held by the caller
+restored after; on CUDA each runs once more before, unmeasured, while Triton's kernels tune
+themselves), each under the allocator's recorded events, the outputs held by the caller
 meanwhile and the output gradients through the backward (as autograd holds them). The measured
 step peak is the largest of the forward phase's measured peak, the predicted bytes at the
 forward's end (the outputs, what the backward reads, and the loss's room), the predicted peak of
@@ -18,6 +19,7 @@ and for more where it leaves room (``module._fitted``).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +90,8 @@ def measure(
     with torch.random.fork_rng(devices=devices), torch.no_grad(), no_autocast():
         args = [inputs[v] for v in phases.forward_inputs] + sizes
         phases.forward.compile_for(args)
+        if devices:
+            _tuned(phases.forward, args)
         with Allocations(prior=True) as record:
             result = phases.forward(args)
         forward = peak(record.deltas, set())
@@ -110,6 +114,8 @@ def measure(
         given = list(tangents.values())  # autograd holds the output gradients through a backward
         del saved, tangents
         phases.backward.compile_for(args)
+        if devices:
+            _tuned(phases.backward, args)
         with Allocations(prior=True) as record:
             grads = phases.backward(args)
         ptrs = storage_ptrs(grads)
@@ -121,6 +127,13 @@ def measure(
         predicted.backward_start_bytes + excess + backward,
     )
     return Measured(forward, excess, backward, max(forward, *ends))
+
+
+def _tuned(phase: Callable[[list], tuple], args: list) -> None:
+    """Runs ``phase`` once, unmeasured, where it runs on CUDA: Inductor's Triton kernels tune
+    themselves at their first call, benchmarking each configuration with memory of their own (a
+    buffer to flush the L2 cache, copies of the arguments they write), which no step holds."""
+    phase(list(args))  # its outputs dropped at once
 
 
 def _loss_peak(g: JointGraph, planner: Planner, schedule: Schedule) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._functorch.partitioners import get_default_op_list
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
@@ -201,7 +202,7 @@ def _compile(
         torch.no_grad(),
         inductor_config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False),
     ):
-        trace = make_fx(phase, decomposition_table=select_decomp_table(), tracing_mode="fake")
+        trace = decomposed(phase)
         if symbolic:
             assert sizes is not None
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -226,6 +227,20 @@ def _compile(
         for i in masks:
             out[i] = out[i].view(torch.bool)
         return out
+
+    return run
+
+
+def decomposed(fn: Any) -> Any:
+    """``fn`` to be traced by ``make_fx`` into Inductor's decomposed ops, on fake tensors. The
+    trace runs under the Python dispatcher, as AOTAutograd's symbolic traces do: an op whose fake
+    kernel is written in Python takes symbolic arguments there, where its C++ kernel takes only
+    concrete ones: ``constant_pad_nd`` by an amount that depends on a symbolic size, as CUDA's
+    attention pads its mask."""
+
+    def run(*args: Any) -> fx.GraphModule:
+        with enable_python_dispatcher():
+            return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
 
     return run
 
