@@ -255,9 +255,10 @@ def _masks_as_bytes(traced: fx.GraphModule) -> list[int]:
     as_bytes: dict[fx.Node, fx.Node] = {}
     changed = []
     for i, r in enumerate(results):
-        val = r.meta.get("val") if isinstance(r, fx.Node) else None
-        computed = isinstance(r, fx.Node) and isinstance(r.target, torch._ops.OpOverload)
-        if not computed or r.target.is_view or r.target in fallbacks:
+        if not isinstance(r, fx.Node) or not isinstance(r.target, torch._ops.OpOverload):
+            continue  # an input, or not computed by an op
+        val = r.meta.get("val")
+        if r.target.is_view or r.target in fallbacks:
             continue
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.device.type != "cpu":
             continue
