@@ -5,8 +5,10 @@ also guesses times from the bytes and FLOPs of each op), so a schedule can be pl
 anything runs. :func:`profile` then runs the graph on real tensors, in plain order or under such a
 schedule, so that profiling holds no more than the schedule does.
 
-On CUDA: CUDA events (median of up to three runs), the allocator's peak for temporaries, and
-each storage's bytes as the allocator's whole blocks (``memory.allocated_bytes``). On
+On CUDA: CUDA events (median of up to three runs), the allocator's peak for temporaries (above
+what the op leaves allocated: its outputs, and caches such as the workspace cuBLAS allocates at a
+thread's first matmul and keeps), and each storage's bytes as the allocator's whole blocks
+(``memory.allocated_bytes``). On
 CPU: ``time.perf_counter``, and temporaries from the allocators' events (``memory.Allocations``)
 while the op runs, as CPU kernels allocate scratch that no tensor shows (dropout's float mask is
 as large as its input). Early in a process, memory the allocator takes from the system faults
@@ -188,22 +190,21 @@ class _Run:
     def all(self, inputs: dict, tangents: dict, forward: tuple[Op, ...], backward: tuple[Op, ...]) -> None:
         """Run the forward ops on ``inputs``, then the backward ops with ``tangents``."""
         for vid, t in inputs.items():
-            self.hold(vid, t, count=False)
+            self.hold(vid, t)
         self.ops(forward)
         for vid in [v for v, kind in self.g.outputs if kind == "buffer"]:  # the executor copied them
             self.drop(vid)
         for vid, t in tangents.items():
-            self.hold(vid, t, count=False)
+            self.hold(vid, t)
         self.ops(backward)
 
-    def hold(self, vid: int, t: torch.Tensor | None, count: bool) -> int:
+    def hold(self, vid: int, t: torch.Tensor | None) -> None:
         self.env[vid] = t
         if t is None:
-            return 0
+            return
         self.holders[t.untyped_storage().data_ptr()] += 1
         storage = t.untyped_storage()
-        new = _claim(self.g.values[vid], storage.data_ptr(), storage_bytes(t), self.owner_of)
-        return new if count else 0
+        _claim(self.g.values[vid], storage.data_ptr(), storage_bytes(t), self.owner_of)
 
     def drop(self, vid: int) -> None:
         t = self.env.pop(vid, None)
@@ -240,7 +241,6 @@ class _Run:
             return
         measuring = first and known is None
         cuda = measuring and _on_cuda(node, env)
-        before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         recorded = measuring and not cuda and self.cpu_temps
@@ -263,12 +263,11 @@ class _Run:
                 "model's graph: wrap the modules around that op with torch.utils.checkpoint instead"
             ) from exc
         high = torch.cuda.max_memory_allocated() if cuda else 0
-        new_bytes = 0
+        after = torch.cuda.memory_allocated() if cuda else 0
         for vid in node.outputs:
             if vid in env:  # an output a schedule left alive is made again: the new one counts
                 self.drop(vid)
-            new = self.hold(vid, _element(result, g.values[vid].index), count=True)
-            new_bytes += 0 if vid in self.grads else new  # a parameter's .grad is not counted
+            self.hold(vid, _element(result, g.values[vid].index))
         if measuring and self.making:
             self.remember_outputs(key, node, result)
         del result
@@ -277,7 +276,7 @@ class _Run:
         self.measured.add(node.id)
         if known is None:
             if cuda:
-                temp = max(0, high - before - new_bytes)
+                temp = max(0, high - after)
             else:
                 temp = _cpu_temp(record, made_grads) if recorded else 0
             fresh = _fresh_pages(record) if recorded else 0
@@ -331,7 +330,7 @@ class _Run:
             if vid in self.env:
                 self.drop(vid)
             t = torch.ones(m.elements, dtype=m.dtype, device=m.device).as_strided(m.shape, m.stride, m.offset)
-            self.hold(vid, t, count=False)
+            self.hold(vid, t)
 
 
 @dataclass(frozen=True)
@@ -369,17 +368,16 @@ def _cpu_temp(record: Allocations, grads: set[int]) -> int:
     return peak(record.deltas, skip) - new
 
 
-def _claim(value, key: Any, nbytes: int, owner_of: dict[Any, int], may_alias: bool = True) -> int:
+def _claim(value, key: Any, nbytes: int, owner_of: dict[Any, int], may_alias: bool = True) -> None:
     """Record whether ``value``'s storage (``key``, of ``nbytes``) is held by another value (an
-    alias: a view, or a graph input tied to another one) or is new; return the new bytes."""
+    alias: a view, or a graph input tied to another one) or is new."""
     owner = owner_of.get(key, value.id) if nbytes else value.id
     if may_alias and owner != value.id:
         value.alias_of, value.bytes = owner, 0
-        return 0
+        return
     if nbytes:
         owner_of.setdefault(key, value.id)
     value.alias_of, value.bytes = None, nbytes
-    return nbytes
 
 
 def _element(result, index: int | None) -> torch.Tensor:
