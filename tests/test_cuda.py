@@ -9,6 +9,7 @@ import subprocess
 import sys
 import warnings
 
+import models
 import pytest
 import remat
 import torch
@@ -162,27 +163,15 @@ def test_a_compiled_plan_on_cuda_runs_compiled_within_its_budget() -> None:
 
 
 def _compiled_gpt2_step(device: str) -> tuple[int, int, bool, dict, dict]:
-    """A 2-layer GPT-2's compiled plan at 0.3 of the way from its smallest budget to plain
-    PyTorch's peak: that budget, its step's measured peak, whether it runs compiled, and its
+    """A 2-layer GPT-2's compiled plan, dropout off, at 0.3 of the way from its smallest budget to
+    plain PyTorch's peak: that budget, its step's measured peak, whether it runs compiled, and its
     gradients and plain PyTorch's."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=512,
-        n_positions=128,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    with torch.device(device):
-        model = GPT2LMHeadModel(config).train()
-        tokens = torch.randint(512, (4, 128))
+    model, tokens = models.gpt2(2)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    model, tokens = model.to(device).train(), tokens.to(device)
 
     def step(runner: nn.Module) -> None:
         model.zero_grad(set_to_none=True)

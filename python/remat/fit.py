@@ -1,19 +1,19 @@
 """A compiled plan's step peak, measured: what Inductor's code holds, not only the plan's ops.
 
 Inductor fuses chains of ops (their intermediates are never allocated), so a compiled phase
-mostly holds less than the plan predicts from the eager ops; its generated
-code may also hold a buffer past the point where the plan frees it. A compiled plan is measured
-before it runs a step: both phases run once on the planning inputs (the generator's state
-restored after; on CUDA each runs once more before, unmeasured, while Triton's kernels tune
-themselves), each under the allocator's recorded events, the outputs held by the caller
-meanwhile and the output gradients through the backward (as autograd holds them). The measured
-step peak is the largest of the forward phase's measured peak, the predicted bytes at the
-forward's end (the outputs, what the backward reads, and the loss's room), the predicted peak of
-the loss (the user's loss does not run here: the loss room's op, with the loss's temporaries) and
-the predicted bytes at the backward's start plus the backward phase's measured peak, each
-raised by what the forward's outputs hold beyond their predicted bytes.
+mostly holds less than the plan predicts from the eager ops; its generated code may also hold a
+buffer past the point where the plan frees it. A compiled plan is measured before it runs a
+step: both phases run once on the planning inputs (the generator's state restored after; on CUDA
+each runs once more before, unmeasured, while Triton's kernels tune themselves), each under the
+allocator's recorded events, the outputs held by the caller meanwhile and the output gradients
+through the backward (as autograd holds them). The measured step peak is the largest of the
+forward phase's measured peak, the predicted bytes at the forward's end (the outputs, what the
+backward reads, and the loss's room), the predicted peak of the loss (the user's loss does not
+run here: the loss room's op, with the loss's temporaries) and the predicted bytes at the
+backward's start plus the backward phase's measured peak, each raised by what the forward's
+outputs hold beyond their predicted bytes.
 ``Remat`` holds a compiled plan to this, and plans again for less where the measurement goes over
-and for more where it leaves room (``module._fitted``).
+and for more where it leaves room (``plans._fitted``).
 """
 
 from __future__ import annotations
