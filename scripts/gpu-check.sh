@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
-# remat's checks on a CUDA machine: the CUDA tests and the demo on the GPU. Needs a Python with
-# torch (CUDA), transformers, torchvision and timm; installs remat from a wheel if one is given
-# (`scripts/gpu-check.sh dist/remat-*.whl`), else uses the one installed.
-set -euo pipefail
+# remat's checks on a CUDA machine: the CUDA tests and the demo on the GPU, and with --bench the
+# low-budget benchmark, eager and compiled. Needs a Python with torch (CUDA), transformers,
+# torchvision and timm; installs remat from a wheel if one is given
+# (`scripts/gpu-check.sh [--bench] dist/remat-*.whl`), else uses the one installed. Each part runs
+# whatever the parts before it gave; the script fails at the end if any part failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-if [ $# -gt 0 ]; then
-  "$python" -m pip install -q --no-deps --force-reinstall "$1"
+bench=0
+if [ "${1:-}" = "--bench" ]; then
+  bench=1
+  shift
 fi
-"$python" -c "import torch, remat; assert torch.cuda.is_available(), 'no CUDA device'; print('remat on', torch.cuda.get_device_name())"
-echo "== CUDA tests"
-"$python" -m pytest -q -s tests/test_cuda.py
-echo "== demo on CUDA"
-"$python" examples/gpt2_demo.py --device cuda --budget 0.5 0.3 --steps 4
+if [ $# -gt 0 ]; then
+  "$python" -m pip install -q --no-deps --force-reinstall "$1" || exit 1
+fi
+"$python" -c "import torch, remat; assert torch.cuda.is_available(), 'no CUDA device'; print('remat on', torch.cuda.get_device_name())" || exit 1
+failed=()
+part() {
+  echo "== $1"
+  shift
+  "$@" || failed+=("$*")
+}
+part "CUDA tests" "$python" -m pytest -q -s tests/test_cuda.py
+part "demo on CUDA" "$python" examples/gpt2_demo.py --device cuda --budget 0.5 0.3 --steps 4
+if [ "$bench" = 1 ]; then
+  part "low-budget benchmark, eager" "$python" benches/low_budget.py --device cuda --steps 7 \
+    --models gpt2_6l gpt2_12l llama convnext resnet encoder
+  part "low-budget benchmark, compiled" "$python" benches/low_budget.py --device cuda --compile --steps 7 \
+    --models gpt2_6l gpt2_12l llama convnext resnet encoder
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}"
+  exit 1
+fi
