@@ -388,3 +388,25 @@ def test_a_phase_traces_an_op_padding_by_an_amount_that_depends_on_a_symbolic_si
 
     gm = remat.inductor.decomposed(pad)(mask)
     assert [tuple(gm(torch.ones(2, n)).shape) for n in (40, 43)] == [(2, 48), (2, 48)]
+
+
+def test_the_compiled_fit_measures_the_step_it_plans_with_dropout_drawn_again():
+    """A compiled plan that draws dropout again keeps a seed per dropout in its phases' outputs,
+    where the solver counts a generator state: the fit's measured peak is that of the steps."""
+    torch.manual_seed(0)
+    model = _gpt2(dropout=0.1, layers=2, embd=64, vocab=512)
+    tokens = torch.randint(512, (2, 32))
+    keep = [*model.parameters(), *model.buffers(), tokens]
+    rm = remat.Remat(model, tokens, 1.0, compile=True)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        rm(tokens).logits.pow(2).mean().backward()
+
+    step()  # measures the loss
+    rm.set_budget(rm.plan.min_budget)
+    step()  # compiles the plan's phases and measures them
+    assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+    assert rm._plan.schedule.predicted.beside_bytes > 0, "no dropout is drawn again"
+    measured = remat.testing.measure_step(step, keep).peak_bytes
+    assert abs(rm._plan.peak - measured) <= 0.01 * measured, (rm._plan.peak, measured)
