@@ -159,21 +159,27 @@ def test_compiled_step_peak_rss_is_under_the_budget(rss_rows):
         assert compiled - grads <= budget, f"peak RSS {compiled} less gradients {grads} over {budget}: {rss_rows}"
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_measured_peaks_fall_with_the_budget_over_a_grid(compile: bool) -> None:
-    """Eight budgets from the smallest feasible one to plain PyTorch's peak: each step measures
-    under its budget (compiled code's buffers included: ``measure_step`` reads the allocator's
-    events), and no lower budget measures a higher peak."""
+def _stepped_gpt2(compile: bool, vocab: int, shape: tuple[int, int]):
+    """A 2-layer GPT-2 with dropout 0.1 wrapped without a budget, a step of it on random tokens of
+    ``shape`` (the loss outside), and what the step keeps (parameters, buffers, tokens)."""
     torch.manual_seed(0)
-    model = _gpt2(dropout=0.1, layers=2, embd=64, vocab=256)
-    tokens = torch.randint(256, (4, 128))
-    keep = [*model.parameters(), *model.buffers(), tokens]
+    model = _gpt2(dropout=0.1, layers=2, embd=64, vocab=vocab)
+    tokens = torch.randint(vocab, shape)
     rm = remat.Remat(model, tokens, 1.0, compile=compile)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         rm(tokens).logits.pow(2).mean().backward()
 
+    return rm, step, [*model.parameters(), *model.buffers(), tokens]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_measured_peaks_fall_with_the_budget_over_a_grid(compile: bool) -> None:
+    """Eight budgets from the smallest feasible one to plain PyTorch's peak: each step measures
+    under its budget (compiled code's buffers included: ``measure_step`` reads the allocator's
+    events), and no lower budget measures a higher peak."""
+    rm, step, keep = _stepped_gpt2(compile, vocab=256, shape=(4, 128))
     step()  # measures the loss
     low, high = rm.plan.min_budget, rm.plan.plain_peak
     rows = []
@@ -393,16 +399,7 @@ def test_a_phase_traces_an_op_padding_by_an_amount_that_depends_on_a_symbolic_si
 def test_the_compiled_fit_measures_the_step_it_plans_with_dropout_drawn_again():
     """A compiled plan that draws dropout again keeps a seed per dropout in its phases' outputs,
     where the solver counts a generator state: the fit's measured peak is that of the steps."""
-    torch.manual_seed(0)
-    model = _gpt2(dropout=0.1, layers=2, embd=64, vocab=512)
-    tokens = torch.randint(512, (2, 32))
-    keep = [*model.parameters(), *model.buffers(), tokens]
-    rm = remat.Remat(model, tokens, 1.0, compile=True)
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        rm(tokens).logits.pow(2).mean().backward()
-
+    rm, step, keep = _stepped_gpt2(True, vocab=512, shape=(2, 32))
     step()  # measures the loss
     rm.set_budget(rm.plan.min_budget)
     step()  # compiles the plan's phases and measures them
