@@ -40,6 +40,24 @@ def test_several_optimizer_steps_match_plain_pytorch(factory) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_a_parameter_swapped_in_after_steps_is_the_one_the_step_reads() -> None:
+    torch.manual_seed(0)
+    model, sample = mlp()
+    rm = remat.Remat(model, sample, budget_at(model, sample, 0.5))
+    for _ in range(2):  # the first step measures the loss and plans again
+        default_loss(call(rm, sample)).backward()
+    layer = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    layer.weight = nn.Parameter(torch.randn_like(layer.weight))  # a new object, as FSDP2 and users swap them in
+    reference = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    for runner in (rm, reference):
+        torch.manual_seed(1)  # the same dropout mask
+        default_loss(call(runner, sample)).backward()
+    want = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 class TupleDictModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()

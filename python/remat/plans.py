@@ -40,7 +40,7 @@ from .planner import Planner, SolverOptions
 from .progress import stage
 from .schedule import Schedule
 from .step import Step, input_grads
-from .trace import graph_inputs
+from .trace import GraphInputs
 
 if TYPE_CHECKING:
     from .measure import LossMeasure
@@ -184,13 +184,20 @@ class Plan:
         """The schedule's phases run eagerly, each op's allocations marked (``plot.measured_curve``)."""
         return build_phases(self.graph, self.schedule, marked=True)
 
+    def _graph_inputs(self, model: nn.Module) -> GraphInputs:
+        """Where ``model``'s calls find the graph's inputs, looked up at the first call."""
+        found = self.__dict__.get("_inputs_of")
+        if found is None or found.model is not model:
+            found = self.__dict__["_inputs_of"] = GraphInputs(self.graph, model)
+        return found
+
     def run(
         self, model: nn.Module, args: tuple, kwargs: dict, values: tuple[int, ...] = (), marked: bool = False
     ) -> Any:
         """One call of the step, with ``values`` of the symbolic sizes; ``marked``: through
         :attr:`marked_phases`."""
         tensors, _, _ = flatten_inputs(args, kwargs)
-        inputs = graph_inputs(self.graph, model, tensors)
+        inputs = self._graph_inputs(model)(tensors)
         vids = list(inputs)
         phases = self.marked_phases if marked else self.phases
         outs = Step.apply(self, phases, values, vids, *inputs.values())

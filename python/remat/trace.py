@@ -96,20 +96,39 @@ class Planned(Protocol):
 
 def graph_inputs(g: JointGraph, model: nn.Module, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Tensors of the graph's params, buffers, inputs and constants, by value id."""
-    captured = g.captured
-    out: dict[int, torch.Tensor] = {}
-    for ph, b in zip(captured.placeholders, captured.bindings):
-        vid = g.value_of[ph]
-        if b.kind == "param":
-            out[vid] = model.get_parameter(b.target)
-        elif b.kind == "buffer":
-            out[vid] = model.get_buffer(b.target)
-        elif b.kind == "input":
-            out[vid] = tensors[b.target]
-    for node in captured.gm.graph.nodes:
-        if node.op == "get_attr":
-            out[g.value_of[node]] = getattr(captured.gm, node.target)
-    return out
+    return GraphInputs(g, model)(tensors)
+
+
+class GraphInputs:
+    """Where a call of ``model`` finds each of the graph's params, buffers, inputs and constants,
+    looked up once: a parameter or buffer is read from its module at each call (one the model
+    swaps in, as FSDP2 does, is the one used), an input is the call's tensor at its position."""
+
+    def __init__(self, g: JointGraph, model: nn.Module) -> None:
+        self.model = model
+        captured = g.captured
+        # (value id, the module's parameters or buffers and a name, or None and the call's position)
+        self._entries: list[tuple[int, dict | None, Any]] = []
+        for ph, b in zip(captured.placeholders, captured.bindings):
+            vid = g.value_of[ph]
+            if b.kind in ("param", "buffer"):
+                path, _, name = b.target.rpartition(".")
+                table = getattr(model.get_submodule(path), "_parameters" if b.kind == "param" else "_buffers")
+                if not isinstance(table.get(name), torch.Tensor):  # raises the error that says what is missing
+                    model.get_parameter(b.target) if b.kind == "param" else model.get_buffer(b.target)
+                self._entries.append((vid, table, name))
+            elif b.kind == "input":
+                self._entries.append((vid, None, b.target))
+        self._constants = {
+            g.value_of[node]: getattr(captured.gm, node.target)
+            for node in captured.gm.graph.nodes
+            if node.op == "get_attr"
+        }
+
+    def __call__(self, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        out = {vid: tensors[key] if table is None else table[key] for vid, table, key in self._entries}
+        out.update(self._constants)
+        return out
 
 
 def sample_tangents(g: JointGraph, no_grad: frozenset[int]) -> dict[int, torch.Tensor | None]:
