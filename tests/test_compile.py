@@ -224,6 +224,28 @@ def test_a_compiled_plan_measured_over_its_budget_is_planned_again_for_less(monk
     assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
 
 
+def test_a_compiled_plan_measured_over_by_more_than_the_room_left_is_planned_at_the_smallest_budget(monkeypatch):
+    """Where the budget moved by a plan's overshoot falls below the smallest budget, the solver is
+    asked for the smallest, whose plan measures least, rather than the plan running eagerly."""
+    measure = remat.plans.measure
+    asked = []
+
+    def measured_far_over_once(g, planner, schedule, phases, inputs, no_grad):
+        asked.append(schedule.solver.budget)
+        real = measure(g, planner, schedule, phases, inputs, no_grad)
+        if len(asked) > 1:
+            return real
+        return dataclasses.replace(real, step=max(real.step, schedule.predicted.peak_bytes) + asked[0])
+
+    monkeypatch.setattr(remat.plans, "measure", measured_far_over_once)
+    torch.manual_seed(0)
+    x = torch.randn(512, 256)
+    rm = remat.Remat(_mlp(), x, 0.6, compile=True, measure_loss=False)
+    assert len(asked) >= 2 and asked[1] == rm.plan.min_budget, asked
+    assert rm._plan.peak <= rm.plan.budget
+    assert isinstance(rm._plan.phases.forward, remat.inductor.CompiledPhase)
+
+
 def test_a_compiled_plan_measured_well_under_its_budget_is_planned_again_for_more(monkeypatch):
     """Where Inductor's code leaves room (fused chains hold no intermediates), the solver is asked
     for more, and the fastest predicted plan that keeps the budget runs."""

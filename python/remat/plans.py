@@ -647,8 +647,9 @@ def _fitted(
     """A compiled plan whose step peak keeps ``target``, with its phases and that peak as
     measured (``fit``). The solver plans for the eager ops, which Inductor fuses and
     reorders, so it is asked again for the budget moved by what the measurement differs from the
-    prediction by, where the plan goes over or leaves over ``FIT_SLACK`` unused; of the plans that
-    keep the budget, the fastest predicted runs. Where none keeps it, the first schedule runs
+    prediction by (the smallest budget where that is below it), where the plan goes over or
+    leaves over ``FIT_SLACK`` unused; of the plans that keep the budget, the fastest predicted
+    runs. Where none keeps it, the first schedule runs
     eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
     than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target and
     plain PyTorch's peak (``make_plan``)."""
@@ -656,11 +657,8 @@ def _fitted(
     asked, first, best = target, None, None
     tried: set[tuple] = set()  # the schedules measured, by their ops
     for _ in range(FIT_ROUNDS):
-        try:
-            schedule = _solve(planner, asked, options)
-        except InfeasibleBudget:
-            if first is None:
-                raise
+        schedule = _solve_to_fit(planner, asked, options, first is None)
+        if schedule is None:
             break
         ops = (schedule.forward, schedule.backward)
         if ops in tried:
@@ -695,6 +693,23 @@ def _fitted(
         stacklevel=2,
     )
     return _eager(g, first)
+
+
+def _solve_to_fit(planner: Planner, asked: int, options: Options, first: bool) -> Schedule | None:
+    """The solver's schedule for ``asked``, or where that is below the smallest budget, for the
+    smallest (whose plan measures least); ``None`` where neither plans. The ``first`` ask raises
+    ``InfeasibleBudget``."""
+    try:
+        return _solve(planner, asked, options)
+    except InfeasibleBudget as exc:
+        if first:
+            raise
+        if exc.min_budget <= asked:
+            return None
+        try:
+            return _solve(planner, exc.min_budget, options)
+        except InfeasibleBudget:
+            return None
 
 
 def _eager(g: JointGraph, schedule: Schedule) -> tuple[Schedule, Phases, int]:
