@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# remat's checks on a CUDA machine: the CUDA tests and the demo on the GPU; with --eager-bench or
+# remat's checks on a CUDA machine: the CUDA tests, the demo and remat's own time per step
+# (benches/overhead.py) on the GPU; with --eager-bench or
 # --compiled-bench, the low-budget benchmark too (on an H200 the tests and the demo took about
 # 3 minutes, the eager benchmark of its six models 2.5, the compiled one about 2 per model; set
 # BENCH_MODELS to run fewer). Needs a Python with torch (CUDA), transformers, torchvision and
@@ -32,6 +33,7 @@ part() {
 }
 part "CUDA tests" "$python" -m pytest -q -s tests/test_cuda.py
 part "demo on CUDA" "$python" examples/gpt2_demo.py --device cuda --budget 0.5 0.3 --steps 4
+part "remat's own time per step" "$python" benches/overhead.py --device cuda --layers 6 --embd 256 --batch 4 --seq 256
 if [ "$eager" = 1 ]; then
   part "low-budget benchmark, eager" "$python" benches/low_budget.py --device cuda --steps 7 --models "${models[@]}"
 fi
