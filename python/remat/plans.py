@@ -10,7 +10,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,7 @@ class Plan:
     levels: Levels | None = None
     # Sizes at or below which the model's own step is measured to fit the budget (``plain``)
     fitting: list[tuple[int, ...]] | None = None
+    _inputs_of: GraphInputs | None = field(default=None, init=False, repr=False, compare=False)
 
     def at(self, values: tuple[int, ...], on_solve: Callable[[], None] | None = None) -> Plan:
         """The plan to run for a call with ``values`` of the symbolic sizes: of least predicted
@@ -186,10 +187,9 @@ class Plan:
 
     def _graph_inputs(self, model: nn.Module) -> GraphInputs:
         """Where ``model``'s calls find the graph's inputs, looked up at the first call."""
-        found = self.__dict__.get("_inputs_of")
-        if found is None or found.model is not model:
-            found = self.__dict__["_inputs_of"] = GraphInputs(self.graph, model)
-        return found
+        if self._inputs_of is None or self._inputs_of.model is not model:
+            self._inputs_of = GraphInputs(self.graph, model)
+        return self._inputs_of
 
     def run(
         self, model: nn.Module, args: tuple, kwargs: dict, values: tuple[int, ...] = (), marked: bool = False
@@ -649,10 +649,9 @@ def _fitted(
     reorders, so it is asked again for the budget moved by what the measurement differs from the
     prediction by (the smallest budget where that is below it), where the plan goes over or
     leaves over ``FIT_SLACK`` unused; of the plans that keep the budget, the fastest predicted
-    runs. Where none keeps it, the first schedule runs
-    eagerly, as predicted, with a warning, and so does a schedule that runs the graph's ops more
-    than ``MAX_COMPILED_RUNS`` times over where none kept it before. ``fitting``: the target and
-    plain PyTorch's peak (``make_plan``)."""
+    runs. Where none keeps it, the first schedule runs eagerly, as predicted, with a warning, and
+    so does a schedule that runs the graph's ops more than ``MAX_COMPILED_RUNS`` times over where
+    none kept it before. ``fitting``: the target and plain PyTorch's peak (``make_plan``)."""
     target, plain_peak = fitting
     asked, first, best = target, None, None
     tried: set[tuple] = set()  # the schedules measured, by their ops

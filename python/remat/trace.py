@@ -114,8 +114,8 @@ class GraphInputs:
             if b.kind in ("param", "buffer"):
                 path, _, name = b.target.rpartition(".")
                 table = getattr(model.get_submodule(path), "_parameters" if b.kind == "param" else "_buffers")
-                if not isinstance(table.get(name), torch.Tensor):  # raises the error that says what is missing
-                    model.get_parameter(b.target) if b.kind == "param" else model.get_buffer(b.target)
+                if not isinstance(table.get(name), torch.Tensor):  # torch's error says what is missing
+                    (model.get_parameter if b.kind == "param" else model.get_buffer)(b.target)
                 self._entries.append((vid, table, name))
             elif b.kind == "input":
                 self._entries.append((vid, None, b.target))
