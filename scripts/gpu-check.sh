@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # remat's checks on a CUDA machine: the CUDA tests, the demo and remat's own time per step
-# (benches/overhead.py) on the GPU; with --eager-bench or
-# --compiled-bench, the low-budget benchmark too (on an H200 the tests and the demo took about
-# 3 minutes, the eager benchmark of its six models 2.5, the compiled one about 2 per model; set
-# BENCH_MODELS to run fewer). Needs a Python with torch (CUDA), transformers, torchvision and
-# timm; installs remat from a wheel if one is given (`scripts/gpu-check.sh [--eager-bench]
-# [--compiled-bench] dist/remat-*.whl`), else uses the one installed. Each part runs whatever
-# the parts before it gave; the script fails at the end if any part failed.
+# (benches/overhead.py) on the GPU; with --eager-bench or --compiled-bench, the low-budget
+# benchmark too (on an H200 the tests and the demo took about 3 minutes, the eager benchmark of
+# its six models 2.5, the compiled one about 2 per model; set BENCH_MODELS to run fewer). Needs
+# a Python with torch (CUDA), transformers, torchvision and timm; installs remat from a wheel if
+# one is given (`scripts/gpu-check.sh [--eager-bench] [--compiled-bench] dist/remat-*.whl`), else
+# uses the one installed. Each part runs whatever the parts before it gave; the script fails at
+# the end if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
