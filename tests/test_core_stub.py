@@ -120,15 +120,20 @@ def test_a_graph_replays_its_own_plans() -> None:
     assert report == json.loads(schedule)["predicted"] and report["peak_bytes"] <= (min_budget + plain_peak) // 2
     assert max(p["peak"] for p in json.loads(graph.memory_curve(schedule))) == report["peak_bytes"]
     assert max(p["peak"] for p in json.loads(graph.memory_curve())) == plain_peak
+    assert _core.Graph(graph.to_json()).to_json() == graph.to_json()
+
+
+def test_the_smallest_budget_named_below_keeping_nothing_plans() -> None:
+    graph = _core.Graph((GRAPHS / "resnet50.json").read_text())
+    keep_nothing, _ = graph.budget_range()
     with pytest.raises(remat.InfeasibleBudget) as raised:  # Rockmate plans below keeping nothing here
         graph.plan(1, remat.planner.DEFAULTS)
     smallest = raised.value.min_budget
-    assert smallest < min_budget
+    assert smallest < keep_nothing
     assert json.loads(graph.plan(smallest, remat.planner.DEFAULTS))["predicted"]["peak_bytes"] <= smallest
     with pytest.raises(remat.InfeasibleBudget) as raised:
-        graph.plan(smallest - 1, remat.planner.DEFAULTS)
+        graph.plan(smallest // 2, remat.planner.DEFAULTS)
     assert raised.value.min_budget == smallest
-    assert _core.Graph(graph.to_json()).to_json() == graph.to_json()
 
 
 @pytest.mark.parametrize("text", ["{", "[]", '{"schema": "remat.schedule", "version": 1}'])

@@ -218,3 +218,58 @@ def test_a_head_no_loss_reads_is_not_differentiated_and_a_loss_that_reads_it_lat
     assert model.side.weight.grad is None
     with pytest.raises(remat.RematError, match="differentiates output"):
         step_of(1)()
+
+
+class _WideTrunk(nn.Module):
+    """A trunk of 12 layers under a head whose output's gradient is as large as a layer's
+    activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(12)])
+        self.head = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+def _wide_trunk_steps(keep_gradient: bool) -> tuple[remat.Remat, int, int]:
+    """Two measured steps of ``_WideTrunk`` under remat at 0.4 (the first measures the loss), the
+    second's measured peak and the output gradient's bytes; ``keep_gradient``: the caller passes
+    the gradient to ``backward`` and keeps it."""
+    torch.manual_seed(0)
+    model, x = _WideTrunk().train(), torch.randn(128, 256)
+    rm = remat.Remat(model, (x,), 0.4)
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        out = rm(x)
+        if keep_gradient:
+            kept[:] = [2 * out.detach()]
+            out.backward(kept[0])
+        else:
+            out.pow(2).sum().backward()
+
+    keep = [*model.parameters(), x]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.testing.measure_step(step, keep)
+    return rm, remat.testing.measure_step(step, keep).peak_bytes, 128 * 256 * 4
+
+
+def test_the_output_gradient_is_freed_after_its_last_use() -> None:
+    """The plan frees the output's gradient after its last use, as plain autograd does, and so
+    does the step (autograd's reference is taken before ``Step.backward`` runs): the first step
+    finds it gone after the backward, and the plan holds nothing for it."""
+    rm, peak, gradient = _wide_trunk_steps(keep_gradient=False)
+    assert rm.plan.outside.held_bytes < gradient
+    assert peak <= rm.plan.budget, (peak, rm.plan.budget)
+    assert abs(peak - rm.plan.schedule.predicted.step_peak_bytes) <= 0.01 * peak
+
+
+def test_an_output_gradient_the_caller_keeps_is_planned_as_held() -> None:
+    """A gradient passed to ``backward`` and kept outlives the backward: the first step finds it
+    alive after the backward, and the next plan holds it through the backward."""
+    rm, peak, gradient = _wide_trunk_steps(keep_gradient=True)
+    assert rm.plan.outside.held_bytes >= gradient
+    assert peak <= rm.plan.budget, (peak, rm.plan.budget)

@@ -5,8 +5,8 @@ mostly holds less than the plan predicts from the eager ops; its generated code 
 buffer past the point where the plan frees it. A compiled plan is measured before it runs a
 step: both phases run once on the planning inputs (the generator's state restored after; on CUDA
 each runs once more before, unmeasured, while Triton's kernels tune themselves), each under the
-allocator's recorded events, the outputs held by the caller meanwhile and the output gradients
-through the backward (as autograd holds them). The measured step peak is the largest of the
+allocator's recorded events, the outputs held by the caller meanwhile and each output gradient
+to its last use (the step takes autograd's reference: ``step.Step``). The measured step peak is the largest of the
 forward phase's measured peak, the predicted bytes at the forward's end (the outputs, what the
 backward reads, and the loss's room), the predicted peak of the loss (the user's loss does not
 run here: the loss room's op, with the loss's temporaries) and the predicted bytes at the
@@ -111,7 +111,6 @@ def measure(
         del result
         tangents = sample_tangents(g, no_grad)
         args = [tangents[v] if v in tangents else inputs[v] for v in phases.backward_inputs] + saved + sizes
-        given = list(tangents.values())  # autograd holds the output gradients through a backward
         del saved, tangents
         phases.backward.compile_for(args)
         if devices:
@@ -119,7 +118,7 @@ def measure(
         with Allocations(prior=True) as record:
             grads = phases.backward(args)
         ptrs = storage_ptrs(grads)
-        del grads, held, given
+        del grads, held
         backward = peak(record.deltas, record.alive_at(ptrs))
     ends = (
         predicted.forward_end_bytes + excess,

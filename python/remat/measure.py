@@ -8,6 +8,7 @@ import enum
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import levels
 from .boundary import Outside, Window, output_bytes, remove_closed_windows
 from .errors import InfeasibleBudget
+from .memory import storage_bytes
 
 if TYPE_CHECKING:
     from .plans import Plan
@@ -51,6 +53,9 @@ class LossMeasure:
         self.learned: Outside | None = None
         self.loss_bytes = 0  # the loss room measured (at the bound)
         self.watched: list[StorageWeakRef] = []  # the outputs of the forward whose backward tells them
+        # The output gradients of the step that measured, with their bytes: the plan frees each
+        # after its last use, and one still alive after the backward is held by the caller
+        self.grads: list[tuple[StorageWeakRef, int]] = []
         # Plans again for the measured loss at the end of the step that measured it (else the
         # next call does)
         self.replan: Callable[[], None] | None = None
@@ -98,7 +103,13 @@ class LossMeasure:
         return self.learned
 
     def after_backward(self) -> None:
-        """At the end of a step's backward: plans for the loss it measured, if any."""
+        """At the end of a step's backward: the output gradients the caller holds (passed to
+        ``backward(gradient)`` and kept, or kept by a hook) count as held through the backward;
+        then plans for the loss it measured, if any."""
+        kept = sum(size for ref, size in self.grads if not ref.expired())
+        self.grads = []
+        if kept and self.state is State.MEASURED and self.outside is not None:
+            self.outside = replace(self.outside, held_bytes=self.outside.held_bytes + kept)
         if self.state is State.MEASURED and self.replan is not None:
             try:
                 self.replan()
@@ -156,10 +167,11 @@ class LossMeasure:
         warns if the step went over the budget."""
         if window is not self.window:
             return
-        peak, held, released = window.close([g for g in grads if g is not None])
-        if plan.graph.sizes is not None:
-            ratio = levels.loss_ratio(plan.graph, values)
-            peak, held = math.ceil(peak / ratio), math.ceil(held / ratio)
+        passed = [g for g in grads if g is not None]
+        peak, held, released = window.close(passed)
+        ratio = 1.0 if plan.graph.sizes is None else levels.loss_ratio(plan.graph, values)
+        peak, held = math.ceil(peak / ratio), math.ceil(held / ratio)
+        self.grads = [(StorageWeakRef(g.untyped_storage()), math.ceil(storage_bytes(g) / ratio)) for g in passed]
         no_grad = frozenset(i for i, grad in enumerate(grads) if grad is None)
         self.outside = measured = Outside(peak, held, no_grad, released)
         self.state = State.MEASURED

@@ -37,6 +37,8 @@ class Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: RunsPlan, phases: Phases, values: tuple[int, ...], vids: list[int], *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
+        ctx.grads = _Taken()
+        ctx.register_prehook(ctx.grads.take)
         g = plan.graph
         by_vid = dict(zip(vids, tensors))  # params, buffers, inputs and the graph's constants
         # the call's sizes, which the phases of a graph with symbolic sizes read last
@@ -59,6 +61,7 @@ class Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
+        grad_outputs = ctx.grads.give(grad_outputs)
         plan: RunsPlan = ctx.plan
         g, phases = plan.graph, ctx.phases
         if ctx.window is not None:
@@ -87,6 +90,25 @@ class Step(torch.autograd.Function):
         if plan.measure is not None:
             plan.measure.after_backward()
         return (None, None, None, None, *[by_input.get(v) for v in ctx.vids])
+
+
+class _Taken:
+    """The output gradients, taken from autograd before it calls ``Step.backward``: autograd holds
+    the arguments it passes until the call returns, and the backward phase frees each gradient
+    after its last use instead."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self) -> None:
+        self.grads: tuple | None = None
+
+    def take(self, grads: tuple) -> tuple:
+        self.grads = grads
+        return tuple(None for _ in grads)
+
+    def give(self, passed: tuple) -> tuple:
+        grads, self.grads = self.grads, None
+        return passed if grads is None else grads
 
 
 def input_grads(g: JointGraph) -> list[tuple[int, int, frozenset[int]]]:

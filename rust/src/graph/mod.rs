@@ -311,15 +311,6 @@ impl Graph {
         }
     }
 
-    /// Bytes of all tangents: what the backward phase holds from its start.
-    pub fn tangent_bytes(&self) -> u64 {
-        let tangents = self
-            .values()
-            .iter()
-            .filter(|v| v.kind == ValueKind::Tangent);
-        tangents.map(|v| v.bytes).sum()
-    }
-
     /// Nodes as a petgraph graph (node weight = node id, one edge per data dependency, weight =
     /// the value carried).
     pub fn to_petgraph(&self) -> DiGraph<usize, usize> {

@@ -7,7 +7,21 @@
 //! That keeps backward-tagged views of saved forward tensors out of the forward phase and views
 //! of parameters and tangents (the "preludes") out of the plans altogether.
 
-use crate::graph::{Graph, Phase};
+use crate::graph::{Graph, Phase, ValueKind};
+
+/// A tangent storage: its bytes and the groups reading it, directly or through a view, ascending.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tangent {
+    pub bytes: u64,
+    pub readers: Vec<usize>,
+}
+
+impl Tangent {
+    /// The last group reading it (`usize::MAX` where none does).
+    pub fn last_reader(&self) -> usize {
+        self.readers.last().copied().unwrap_or(usize::MAX)
+    }
+}
 
 /// One storage produced by a group: the owner value and its bytes.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,8 +76,10 @@ pub struct SimpleGraph {
     pub storages: Vec<Storage>,
     /// Index of the first backward group (`groups.len()` when there is none).
     pub first_backward: usize,
-    /// Tangent bytes, alive during the whole backward phase.
-    pub tangent_bytes: u64,
+    /// The tangent storages. Each is alive from the start of the backward phase to the end of
+    /// the last group reading it (backward groups run once, and the executor frees it after its
+    /// last use), or to the end of the step where no group reads it.
+    pub tangents: Vec<Tangent>,
     /// Per value: the storage it lives in, if a group produces that storage.
     storage_of_value: Vec<Option<usize>>,
 }
@@ -72,7 +88,7 @@ impl SimpleGraph {
     /// A graph of groups and storages built by hand (a block's sub-problem): it has no values,
     /// so [`SimpleGraph::storage_of`] must not be called on it. Groups must be in topological
     /// order, forward ones first, and each storage's `users` ascending.
-    pub fn from_parts(groups: Vec<Group>, storages: Vec<Storage>, tangent_bytes: u64) -> Self {
+    pub fn from_parts(groups: Vec<Group>, storages: Vec<Storage>) -> Self {
         let first_backward = groups
             .iter()
             .position(|g| g.phase == Phase::Backward)
@@ -81,7 +97,7 @@ impl SimpleGraph {
             groups,
             storages,
             first_backward,
-            tangent_bytes,
+            tangents: Vec::new(),
             storage_of_value: Vec::new(),
         }
     }
@@ -89,6 +105,16 @@ impl SimpleGraph {
     /// The group storage `value` lives in (`None` for graph inputs, tangents and their views).
     pub fn storage_of(&self, value: usize) -> Option<usize> {
         self.storage_of_value[value]
+    }
+
+    /// Bytes of the tangents alive while stage `t` of the backward phase runs: those some group
+    /// from `t` on still reads.
+    pub fn tangent_bytes_at(&self, t: usize) -> u64 {
+        let alive = self
+            .tangents
+            .iter()
+            .filter(|tangent| tangent.last_reader() >= t);
+        alive.map(|tangent| tangent.bytes).sum()
     }
 
     /// Bytes of the storages `group` produces.
@@ -112,7 +138,7 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
         groups: Vec::new(),
         storages: Vec::new(),
         first_backward: 0,
-        tangent_bytes: graph.tangent_bytes(),
+        tangents: Vec::new(),
         storage_of_value: vec![None; graph.values().len()],
     };
     for node in graph.nodes().iter().filter(|n| !graph.is_alias_node(n.id)) {
@@ -124,13 +150,47 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     fold_views(graph, &mut sg);
     link_inputs(graph, &mut sg);
     mark_held(graph, &mut sg);
-    let mut sg = fuse_chains(sg);
+    let tangents = tangents_read(graph, &sg);
+    let mut sg = fuse_chains(sg, &tangents);
     sg.first_backward = sg
         .groups
         .iter()
         .position(|g| g.phase == Phase::Backward)
         .unwrap_or(sg.groups.len());
+    sg.tangents = tangent_lifetimes(graph, &sg);
     sg
+}
+
+/// Per group: the tangent storages it reads, directly or through a view, ascending.
+fn tangents_read(graph: &Graph, sg: &SimpleGraph) -> Vec<Vec<usize>> {
+    let read = |group: &Group| {
+        let inputs = group.members.iter().flat_map(|&n| &graph.node(n).inputs);
+        let owners = inputs.map(|&v| graph.storage_owner(v));
+        let mut tangents: Vec<usize> = owners
+            .filter(|&o| graph.value(o).kind == ValueKind::Tangent)
+            .collect();
+        tangents.sort_unstable();
+        tangents.dedup();
+        tangents
+    };
+    sg.groups.iter().map(read).collect()
+}
+
+/// Each tangent storage with the groups reading it.
+fn tangent_lifetimes(graph: &Graph, sg: &SimpleGraph) -> Vec<Tangent> {
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); graph.values().len()];
+    for (g, tangents) in tangents_read(graph, sg).into_iter().enumerate() {
+        tangents.into_iter().for_each(|t| readers[t].push(g));
+    }
+    graph
+        .values()
+        .iter()
+        .filter(|v| v.kind == ValueKind::Tangent && v.alias_of.is_none())
+        .map(|v| Tangent {
+            bytes: graph.counted_bytes(v.id),
+            readers: std::mem::take(&mut readers[v.id]),
+        })
+        .collect()
 }
 
 fn add_group(graph: &Graph, sg: &mut SimpleGraph, real: usize) {
@@ -250,10 +310,15 @@ impl ViewReach {
 /// Whether group `g` fuses into group `g + 1`: same phase, every storage of `g` planned and read
 /// by `g + 1` alone, `g + 1` reading nothing else than `g` does, and producing no more bytes.
 /// Then no other group can run between them usefully, and keeping `g + 1`'s outputs is never
-/// worse than keeping `g`'s, so no plan is lost.
-fn fuses_into_next(sg: &SimpleGraph, g: usize) -> bool {
+/// worse than keeping `g`'s, so no plan is lost. A tangent `g` reads last (`tangents`: per group,
+/// those it reads) dies after `g`, which a fused group, holding its inputs to its end, would not
+/// show.
+fn fuses_into_next(sg: &SimpleGraph, g: usize, tangents: &[Vec<usize>]) -> bool {
     let (group, next) = (&sg.groups[g], &sg.groups[g + 1]);
     group.phase == next.phase
+        && tangents[g]
+            .iter()
+            .all(|t| tangents[g + 1].binary_search(t).is_ok())
         && !group.outputs.is_empty()
         && group.outputs.iter().all(|&s| {
             let st = &sg.storages[s];
@@ -269,13 +334,13 @@ fn fuses_into_next(sg: &SimpleGraph, g: usize) -> bool {
 /// Merges each run of groups that fuse into the next into one group, whose intermediate
 /// storages become temporary bytes: the largest of `in + out + temp` over its nodes, less the
 /// group's outputs (its inputs from outside stay alive through the group).
-fn fuse_chains(sg: SimpleGraph) -> SimpleGraph {
+fn fuse_chains(sg: SimpleGraph, tangents: &[Vec<usize>]) -> SimpleGraph {
     let n = sg.groups.len();
     let mut new_group = vec![0; n];
     let mut internal = vec![false; sg.storages.len()];
     let mut runs: Vec<Vec<usize>> = Vec::new();
     for (g, new) in new_group.iter_mut().enumerate() {
-        if g > 0 && fuses_into_next(&sg, g - 1) {
+        if g > 0 && fuses_into_next(&sg, g - 1, tangents) {
             runs.last_mut().expect("a run").push(g);
             sg.groups[g - 1]
                 .outputs
@@ -346,7 +411,7 @@ fn fuse_chains(sg: SimpleGraph) -> SimpleGraph {
         groups,
         storages,
         first_backward: 0,
-        tangent_bytes: sg.tangent_bytes,
+        tangents: sg.tangents,
         storage_of_value,
     }
 }

@@ -112,7 +112,8 @@ pub fn free_at_last_use(graph: &Graph, schedule: &Schedule, prune: bool) -> Sche
     })
     .collect();
     let freeable = |v: usize, phase: Phase| {
-        graph.value(v).kind == ValueKind::Activation
+        let kind = graph.value(v).kind;
+        (kind == ValueKind::Activation || kind == ValueKind::Tangent && phase == Phase::Backward)
             && !graph.is_forward_output(v)
             && !graph.is_grad_output(v)
             && (phase == Phase::Backward || !graph.is_buffer_output(v))

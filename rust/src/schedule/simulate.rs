@@ -225,8 +225,10 @@ impl<'g, 'c> State<'g, 'c> {
             .ok_or_else(|| format!("unknown value {value}"))?;
         let why_not = if !self.alive[value] {
             Some("it is not alive")
-        } else if v.kind != ValueKind::Activation {
-            Some("graph inputs and tangents are never freed")
+        } else if v.kind == ValueKind::Tangent && phase == Phase::Forward {
+            Some("tangents are alive in the backward phase only")
+        } else if !matches!(v.kind, ValueKind::Activation | ValueKind::Tangent) {
+            Some("graph inputs are never freed")
         } else if self.graph.is_step_output(value) {
             Some("graph outputs are never freed")
         } else if self.graph.is_buffer_output(value) && phase == Phase::Forward {

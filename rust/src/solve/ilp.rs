@@ -228,7 +228,7 @@ impl<'a> Model<'a> {
             self.s[t][st].add_to(&mut e, self.bytes(storage.bytes));
         }
         if t >= self.sg.first_backward {
-            e.add_mul(self.bytes(self.sg.tangent_bytes), 1.0);
+            e.add_mul(self.bytes(self.sg.tangent_bytes_at(t)), 1.0);
         }
         e
     }

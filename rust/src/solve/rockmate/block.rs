@@ -146,7 +146,17 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
         .collect();
     let mut incoming: Vec<(usize, (u64, Vec<usize>))> = incoming.into_iter().collect();
     incoming.sort_unstable_by_key(|(s, _)| *s);
-    let sub = SimpleGraph::from_parts(local_groups, storages, 0);
+    // The tangents the last block alone reads are its `δ_{b+1}` (`Partition::last_block_reads`).
+    let last = b + 1 == part.forward.len();
+    let tangents = sg
+        .tangents
+        .iter()
+        .filter(|t| last && part.last_block_reads(t));
+    incoming.extend(tangents.map(|t| {
+        let readers = t.readers.iter().map(|g| local_group[g]).collect();
+        (usize::MAX, (t.bytes, readers))
+    }));
+    let sub = SimpleGraph::from_parts(local_groups, storages);
     let key = canonical_key(graph, &sub);
     SubProblem {
         sg: sub,

@@ -133,9 +133,10 @@ pub(super) fn chain_of(
         let held = sg.storages.iter().filter(|st| st.hold == hold);
         held.map(|st| st.bytes).sum()
     };
-    // The tangents (gradients of the outputs) arrive at the loss: `δ_L`.
+    // The tangents (gradients of the outputs) arrive at the loss: `δ_L`, but for those the last
+    // block's own peaks count to their last read.
     let mut deltas = partition.deltas.clone();
-    *deltas.last_mut().expect("a chain has cuts") += sg.tangent_bytes;
+    *deltas.last_mut().expect("a chain has cuts") += partition.held_tangent_bytes(sg);
     let chain = Chain::new(
         partition.sizes.clone(),
         chain_blocks,

@@ -169,7 +169,7 @@ impl Hierarchy {
             return Ok(None);
         }
         let (sizes, mut deltas) = partition.spread.clone();
-        *deltas.last_mut().expect("a chain has cuts") += sg.tangent_bytes;
+        *deltas.last_mut().expect("a chain has cuts") += partition.held_tangent_bytes(sg);
         let extra_bytes = self.chain.extra_bytes - partition.long_span_bytes;
         let chain = Chain::new(sizes, self.chain.blocks.clone(), extra_bytes)?;
         Ok(Some(

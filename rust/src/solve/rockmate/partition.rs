@@ -13,7 +13,7 @@
 //! Rockmate from 8.8% to 0.7% of the optimum at the smallest budgets), and while there are too
 //! many blocks.
 
-use crate::graph::simplify::{Hold, SimpleGraph};
+use crate::graph::simplify::{Hold, SimpleGraph, Tangent};
 
 /// Partition settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +61,19 @@ pub struct Partition {
 }
 
 impl Partition {
+    /// Whether the backward of the last block alone reads `tangent`: its own peaks then count it
+    /// from the backward's start to its last read, instead of the chain holding it as `δ_L`.
+    pub fn last_block_reads(&self, tangent: &Tangent) -> bool {
+        let last = self.forward.len().wrapping_sub(1);
+        !tangent.readers.is_empty() && tangent.readers.iter().all(|&g| self.block_of[g] == last)
+    }
+
+    /// Bytes of the tangents the chain holds as `δ_L`: those not read by the last block alone.
+    pub fn held_tangent_bytes(&self, sg: &SimpleGraph) -> u64 {
+        let held = sg.tangents.iter().filter(|t| !self.last_block_reads(t));
+        held.map(|t| t.bytes).sum()
+    }
+
     pub fn len(&self) -> usize {
         self.forward.len()
     }
