@@ -208,6 +208,14 @@ fn a_batch_norm_is_run_again_in_the_backward_phase_under_a_low_budget() {
         .contains(&remat::Op::Free { value: new_stat }));
 }
 
+/// The names of each group's real nodes.
+fn group_names<'g>(g: &'g Graph, sg: &remat::testing::simplify::SimpleGraph) -> Vec<Vec<&'g str>> {
+    let names = |grp: &remat::testing::simplify::Group| {
+        grp.reals.iter().map(|&r| g.node(r).name.as_str()).collect()
+    };
+    sg.groups.iter().map(names).collect()
+}
+
 /// `b2`'s 20-byte output is read by `b3` alone, which reads nothing else and makes 1 byte: one
 /// group, the 20 bytes temporary. `bbn` also reads forward storages, so `b3` does not fuse into it
 /// (the forward recomputation before `bbn` must not hold `h`).
@@ -226,11 +234,7 @@ fn trivial_chains_are_fused_and_joins_are_not() {
     b.output(gx, OutputKind::Grad);
     let g = b.build();
     let sg = remat::testing::simplify::simplify(&g);
-    let names: Vec<Vec<&str>> = sg
-        .groups
-        .iter()
-        .map(|grp| grp.reals.iter().map(|&r| g.node(r).name.as_str()).collect())
-        .collect();
+    let names = group_names(&g, &sg);
     let expected: Vec<Vec<&str>> = vec![
         vec!["f0"],
         vec!["f1"],
@@ -254,11 +258,7 @@ fn trivial_chains_are_fused_and_joins_are_not() {
 fn a_tangent_lives_to_the_end_of_the_last_group_reading_it() {
     let g = common::batch_norm_like();
     let sg = remat::testing::simplify::simplify(&g);
-    let names: Vec<Vec<&str>> = sg
-        .groups
-        .iter()
-        .map(|grp| grp.reals.iter().map(|&r| g.node(r).name.as_str()).collect())
-        .collect();
+    let names = group_names(&g, &sg);
     assert_eq!(
         names[3..],
         [vec!["b2"], vec!["b3"], vec!["bbn"], vec!["b0"]]
