@@ -6,12 +6,12 @@ buffer past the point where the plan frees it. A compiled plan is measured befor
 step: both phases run once on the planning inputs (the generator's state restored after; on CUDA
 each runs once more before, unmeasured, while Triton's kernels tune themselves), each under the
 allocator's recorded events, the outputs held by the caller meanwhile and each output gradient
-to its last use (the step takes autograd's reference: ``step.Step``). The measured step peak is the largest of the
-forward phase's measured peak, the predicted bytes at the forward's end (the outputs, what the
-backward reads, and the loss's room), the predicted peak of the loss (the user's loss does not
-run here: the loss room's op, with the loss's temporaries) and the predicted bytes at the
-backward's start plus the backward phase's measured peak, each raised by what the forward's
-outputs hold beyond their predicted bytes.
+to its last use (the step takes autograd's reference: ``step.Step``). The measured step peak is
+the largest of the forward phase's measured peak, the predicted bytes at the forward's end (the
+outputs, what the backward reads, and the loss's room), the predicted peak of the loss (the
+user's loss does not run here: the loss room's op, with the loss's temporaries) and the
+predicted bytes at the backward's start plus the backward phase's measured peak, each raised by
+what the forward's outputs hold beyond their predicted bytes.
 ``Remat`` holds a compiled plan to this, and plans again for less where the measurement goes over
 and for more where it leaves room (``plans._fitted``).
 """
