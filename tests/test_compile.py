@@ -366,9 +366,6 @@ def test_compiled_phases_hold_no_buffer_the_plan_freed():
     from remat.planner import Planner, SolverOptions
     from remat.trace import captured, graph_inputs
 
-    # Inductor frees the output's gradient after the kernel that last reads it, which it may
-    # schedule after ops the plan runs later: 16384 B over the eager order, measured.
-    fused_reads = 0.01
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
     model = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).train()
@@ -380,7 +377,7 @@ def test_compiled_phases_hold_no_buffer_the_plan_freed():
     measured = measure(g, planner, schedule, phases, graph_inputs(g, model, [x]), frozenset())
     predicted = schedule.predicted
     backward = predicted.backward_start_bytes + measured.backward
-    assert backward <= predicted.backward_peak_bytes * (1 + fused_reads), (measured, predicted)
+    assert backward <= predicted.backward_peak_bytes, (measured, predicted)
 
 
 def test_a_compiled_phase_returns_a_mask_it_computes_as_bool_from_bytes():

@@ -252,7 +252,16 @@ def _copy_with_outside(
     uncomputed = _drop_gradients_of_no_grad(graph, placeholders, c, outputs, outside.no_grad)
     gm = _LazyGraphModule(c.gm, graph)  # its code is generated only if it is read
     copied = Captured(
-        gm, placeholders, c.bindings, outputs, c.output_bindings, c.out_spec, c.in_spec, c.const_leaves, c.sizes
+        gm,
+        placeholders,
+        c.bindings,
+        outputs,
+        c.output_bindings,
+        c.out_spec,
+        c.in_spec,
+        c.const_leaves,
+        c.sizes,
+        c.compiled,
     )
     return copied, new_values, uncomputed
 

@@ -65,6 +65,7 @@ class Captured:
     in_spec: pytree.TreeSpec  # of (args, kwargs) with tensors as leaves
     const_leaves: list[Any]  # non-tensor leaves of (args, kwargs); None where a tensor goes
     sizes: Sizes | None = None  # the symbols of a graph captured with dynamic dimensions
+    compiled: bool = False  # captured for Inductor, whose code holds its inputs where it chooses
 
 
 class _Flat(nn.Module):
@@ -121,7 +122,7 @@ def capture(
     gm = _LazyGraphModule.from_graphmodule(gm)  # the passes edited the graph: code only if read
     if not any(b.kind == "forward" for b in output_bindings):
         raise CaptureError(f"{type(model).__name__} returned no tensor output to differentiate")
-    return Captured(gm, placeholders, bindings, outputs, output_bindings, out_spec, in_spec, consts, sizes)
+    return Captured(gm, placeholders, bindings, outputs, output_bindings, out_spec, in_spec, consts, sizes, compiled)
 
 
 def _joint(

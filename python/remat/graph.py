@@ -97,14 +97,16 @@ class JointGraph:
             "beside": self.beside(),
         }
 
-    def beside(self) -> dict[str, int]:
-        """What the executor holds beside the values where a node runs again (the graph file's
-        ``beside``): the pre-step copies of :meth:`buffers_to_copy`, and the size of one
-        generator state of the random forward nodes' device."""
+    def beside(self) -> dict[str, Any]:
+        """What the executor holds beside the values (the graph file's ``beside``): where a node
+        runs again, the pre-step copies of :meth:`buffers_to_copy` and the size of one generator
+        state of the random forward nodes' device; and, for Inductor's phases, whose code frees an
+        input where it chooses, the output gradients to the end of the backward."""
         random = next((n for n in self.nodes if n.random and n.phase == "forward"), None)
         return {
             "copied_bytes": int(sum(self.values[v].bytes for v in self.buffers_to_copy())),
             "rng_state_bytes": 0 if random is None else state_bytes(device_of(random)),
+            "tangents_held": self.captured.compiled,
         }
 
     def buffers_to_copy(self) -> set[int]:

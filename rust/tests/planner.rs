@@ -6,7 +6,9 @@ mod common;
 use common::{budget_at, chain, Builder};
 use proptest::prelude::*;
 use remat::testing::recompute::Recompute;
-use remat::{budget_range, plan, simulate, Error, Graph, PlanOptions, Schedule, SolverStatus};
+use remat::{
+    budget_range, plan, simulate, Beside, Error, Graph, PlanOptions, Schedule, SolverStatus,
+};
 use remat::{min_memory, store_all};
 use remat::{OutputKind, Phase};
 
@@ -71,6 +73,29 @@ fn reference_schedules_of_the_chain() {
     let lowest = report(&min_memory(&g).unwrap());
     assert_eq!(lowest.peak_bytes, 31);
     assert!(lowest.time > BASE_TIME);
+}
+
+/// An executor that holds the output gradients to the end of the backward (Inductor's phases:
+/// `Beside::tangents_held`): the tangent counts to the end, keeping nothing peaks at 32 B, and no
+/// schedule frees it.
+#[test]
+fn held_tangents_count_to_the_end_of_the_backward() {
+    let beside = Beside {
+        tangents_held: true,
+        ..Beside::default()
+    };
+    let held = four_layers().with_beside(beside);
+    assert_eq!(budget_range(&held).unwrap(), (32, 42));
+    let tangent = held
+        .values()
+        .iter()
+        .position(|v| v.name == "tangent")
+        .unwrap();
+    for budget in [32, 36, 41] {
+        let schedule = plan(&held, budget, &EXACT).unwrap();
+        let freed = remat::Op::Free { value: tangent };
+        assert!(!schedule.backward.contains(&freed), "budget {budget}");
+    }
 }
 
 #[test]

@@ -315,6 +315,7 @@ fn bytes_held_beside_the_values_are_planned_for() {
     let beside = Beside {
         copied_bytes: 4096,
         rng_state_bytes: 5056,
+        tangents_held: false,
     };
     let graph = bare.clone().with_beside(beside);
     let most = graph.beside_bytes(None);

@@ -103,6 +103,10 @@ pub struct Beside {
     /// held while one replays.
     #[serde(default)]
     pub rng_state_bytes: u64,
+    /// The output gradients are held to the end of the backward phase (compiled phases, whose
+    /// code frees an input where it chooses), not freed at their last use.
+    #[serde(default)]
+    pub tangents_held: bool,
 }
 
 impl Beside {

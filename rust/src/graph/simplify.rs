@@ -150,7 +150,10 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     fold_views(graph, &mut sg);
     link_inputs(graph, &mut sg);
     mark_held(graph, &mut sg);
-    let tangents = tangents_read(graph, &sg);
+    let tangents = match graph.beside().tangents_held {
+        false => tangents_read(graph, &sg),
+        true => vec![Vec::new(); sg.groups.len()],
+    };
     let mut sg = fuse_chains(sg, &tangents);
     sg.first_backward = sg
         .groups
@@ -176,11 +179,14 @@ fn tangents_read(graph: &Graph, sg: &SimpleGraph) -> Vec<Vec<usize>> {
     sg.groups.iter().map(read).collect()
 }
 
-/// Each tangent storage with the groups reading it.
+/// Each tangent storage with the groups reading it (none where the executor holds the tangents
+/// to the end of the backward, `Beside::tangents_held`).
 fn tangent_lifetimes(graph: &Graph, sg: &SimpleGraph) -> Vec<Tangent> {
     let mut readers: Vec<Vec<usize>> = vec![Vec::new(); graph.values().len()];
-    for (g, tangents) in tangents_read(graph, sg).into_iter().enumerate() {
-        tangents.into_iter().for_each(|t| readers[t].push(g));
+    if !graph.beside().tangents_held {
+        for (g, tangents) in tangents_read(graph, sg).into_iter().enumerate() {
+            tangents.into_iter().for_each(|t| readers[t].push(g));
+        }
     }
     graph
         .values()

@@ -111,9 +111,11 @@ pub fn free_at_last_use(graph: &Graph, schedule: &Schedule, prune: bool) -> Sche
         })
     })
     .collect();
+    let tangents_freed = !graph.beside().tangents_held;
     let freeable = |v: usize, phase: Phase| {
         let kind = graph.value(v).kind;
-        (kind == ValueKind::Activation || kind == ValueKind::Tangent && phase == Phase::Backward)
+        let tangent = kind == ValueKind::Tangent && phase == Phase::Backward && tangents_freed;
+        (kind == ValueKind::Activation || tangent)
             && !graph.is_forward_output(v)
             && !graph.is_grad_output(v)
             && (phase == Phase::Backward || !graph.is_buffer_output(v))
