@@ -473,6 +473,7 @@ fn a_block_ilp_stopped_at_once_returns_its_warm_start() {
     let part = partition(&sg, PartitionOptions::default());
     let search = OptionSearch {
         ilp_time_limit: 1e-9,
+        peak_ilp_time_limit: 1e-9,
         ilp_max_nodes: 0,
         ..PlanOptions::default().hierarchy().search
     };

@@ -456,8 +456,10 @@ pub struct OptionSearch {
     /// the saved bytes and `peak_levels` peak budgets.
     pub saved_levels: usize,
     pub peak_levels: usize,
-    /// Seconds for each ILP.
+    /// Seconds for each ILP with a limit on the saved bytes.
     pub ilp_time_limit: f64,
+    /// Seconds for each ILP at a peak budget alone.
+    pub peak_ilp_time_limit: f64,
     /// Most branch-and-bound nodes of each ILP.
     pub ilp_max_nodes: usize,
     pub mip_gap: f64,
@@ -541,7 +543,10 @@ impl<'a> Search<'a> {
             })
             .map(|i| &self.stage_plans[i]);
         let options = ilp::SolveOptions {
-            time_limit: self.search.ilp_time_limit,
+            time_limit: match saved_limit {
+                Some(_) => self.search.ilp_time_limit,
+                None => self.search.peak_ilp_time_limit,
+            },
             mip_gap: self.search.mip_gap,
             recompute: Recompute::Lazy,
             saved_limit,
