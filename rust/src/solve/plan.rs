@@ -243,9 +243,15 @@ fn recomputing(
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than a forward
     // (near the smallest budget), the heuristic's with more kept may be faster.
     let mut kept = kept_more(graph, sg, budget, recompute, dropped, found_by_heuristic)?;
-    // Greedy, it may find a slower schedule at a budget than below it, which fits too.
+    // Greedy, it may find a slower schedule at a budget than below it, which fits too. A budget
+    // searched already (all of them at the keep-nothing schedule's peak) is not searched again.
+    let mut searched = vec![budget];
     for quarter in LOWER_QUARTERS {
         let lower = floor + budget.saturating_sub(floor) * quarter / 4;
+        if searched.contains(&lower) {
+            continue;
+        }
+        searched.push(lower);
         let found = heuristic(graph, sg, lower, store)?;
         let found = kept_more(
             graph,
