@@ -179,6 +179,33 @@ impl Hierarchy {
         ))
     }
 
+    /// The chain with the graph outputs the last block makes
+    /// ([`Partition::last_block_step_bytes`]) counted in `δ_L`, from the loss on, instead of for
+    /// the whole step (`None` where it makes none). The DP then sees that the forward before the
+    /// last block does not hold them, but takes `δ_L` off each forward op's own need only down to
+    /// nothing (`dp::Costs::forward_held`), so a large output makes it overcount the forward:
+    /// neither model finds the faster schedule at every budget.
+    pub fn loss_chain(&self, sg: &SimpleGraph) -> Result<Option<Chain>> {
+        let bytes = self.partition.last_block_step_bytes(sg);
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let len = self.chain.len();
+        let mut deltas: Vec<u64> = (0..=len).map(|i| self.chain.delta(i)).collect();
+        deltas[len] += bytes;
+        let extra_bytes = self.chain.extra_bytes.saturating_sub(bytes);
+        let chain = Chain::new(
+            self.chain.sizes.clone(),
+            self.chain.blocks.clone(),
+            extra_bytes,
+        )?;
+        Ok(Some(
+            chain
+                .with_deltas(deltas)?
+                .with_loss_bytes(self.chain.loss_bytes),
+        ))
+    }
+
     /// The group sequences (forward phase, backward phase) of a chain sequence's ops.
     pub fn groups_of(&self, ops: &[ChainOp]) -> (Vec<usize>, Vec<usize>) {
         let (mut forward, mut backward) = (Vec::new(), Vec::new());

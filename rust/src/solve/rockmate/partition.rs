@@ -74,6 +74,18 @@ impl Partition {
         held.map(|t| t.bytes).sum()
     }
 
+    /// Bytes of the storages held for the step (graph outputs) that the last block's forward
+    /// makes: the chain holds them for the whole step, though the forward before them does not.
+    pub fn last_block_step_bytes(&self, sg: &SimpleGraph) -> u64 {
+        let last = self.forward.len().wrapping_sub(1);
+        let made = sg.storages.iter().filter(|st| {
+            st.hold == Hold::Step
+                && st.producer < sg.first_backward
+                && self.block_of[st.producer] == last
+        });
+        made.map(|st| st.bytes).sum()
+    }
+
     pub fn len(&self) -> usize {
         self.forward.len()
     }
