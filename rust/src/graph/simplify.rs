@@ -150,10 +150,7 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     fold_views(graph, &mut sg);
     link_inputs(graph, &mut sg);
     mark_held(graph, &mut sg);
-    let tangents = match graph.beside().tangents_held {
-        false => tangents_read(graph, &sg),
-        true => vec![Vec::new(); sg.groups.len()],
-    };
+    let tangents = tangents_read(graph, &sg);
     let mut sg = fuse_chains(sg, &tangents);
     sg.first_backward = sg
         .groups
@@ -164,8 +161,13 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     sg
 }
 
-/// Per group: the tangent storages it reads, directly or through a view, ascending.
+/// Per group: the tangent storages it reads, directly or through a view, ascending; none where
+/// the executor holds the tangents to the end of the backward (`Beside::tangents_held`), as no
+/// read is then their last.
 fn tangents_read(graph: &Graph, sg: &SimpleGraph) -> Vec<Vec<usize>> {
+    if graph.beside().tangents_held {
+        return vec![Vec::new(); sg.groups.len()];
+    }
     let read = |group: &Group| {
         let inputs = group.members.iter().flat_map(|&n| &graph.node(n).inputs);
         let owners = inputs.map(|&v| graph.storage_owner(v));
@@ -179,14 +181,11 @@ fn tangents_read(graph: &Graph, sg: &SimpleGraph) -> Vec<Vec<usize>> {
     sg.groups.iter().map(read).collect()
 }
 
-/// Each tangent storage with the groups reading it (none where the executor holds the tangents
-/// to the end of the backward, `Beside::tangents_held`).
+/// Each tangent storage with the groups reading it ([`tangents_read`]).
 fn tangent_lifetimes(graph: &Graph, sg: &SimpleGraph) -> Vec<Tangent> {
     let mut readers: Vec<Vec<usize>> = vec![Vec::new(); graph.values().len()];
-    if !graph.beside().tangents_held {
-        for (g, tangents) in tangents_read(graph, sg).into_iter().enumerate() {
-            tangents.into_iter().for_each(|t| readers[t].push(g));
-        }
+    for (g, tangents) in tangents_read(graph, sg).into_iter().enumerate() {
+        tangents.into_iter().for_each(|t| readers[t].push(g));
     }
     graph
         .values()
