@@ -63,11 +63,14 @@ pub struct Found {
     pub near: Vec<Schedule>,
 }
 
-/// Chains of at most this many blocks are also solved at the budget with the last block's graph
-/// outputs counted from the loss on ([`Hierarchy::loss_chain`]): on residual layers of 100- and
-/// 200-byte inner tensors around a 100-byte hidden state, the hierarchy was 8.9% slower than the
-/// optimum at 20% of the range without it (the 4-byte loss, counted from the start, hid the
-/// optimum's sequence behind a faster one 1 byte over the budget).
+/// Chains of at most this many blocks are also solved at the budget, with the fine slots, with
+/// the last block's graph outputs counted from the loss on ([`Hierarchy::loss_chain`]): on
+/// residual layers of 100- and 200-byte inner tensors around a 100-byte hidden state, the
+/// hierarchy was 8.9% slower than the optimum at 20% of the range without it (the 4-byte loss,
+/// counted from the start, hid the optimum's sequence behind a faster one 1 byte over the
+/// budget); on four layers of 300- and 800-byte inner tensors around a 300-byte hidden state,
+/// 4.5% slower at 40% with the scan's slots (8-byte units over-count the optimum's forward, which
+/// fits to 2 bytes).
 const LOSS_CHAIN_MAX_BLOCKS: usize = 32;
 
 /// The composed schedules whose simulated peak is within `budget`, searching the DP's memory
@@ -129,12 +132,20 @@ pub fn candidates(
         .chunk_by(|&a, &b| solver.unit(a) == solver.unit(b))
         .collect();
     let fine = fine_slots(slots, hierarchy.chain.len());
-    let (fine, fitting) = std::thread::scope(|scope| {
-        let fine = (fine > slots).then(|| {
-            scope.spawn(move || {
-                let sequence = dp::solve(&hierarchy.chain, budget, fine);
-                hierarchy.composed(graph, sg, sequence)
-            })
+    let loss = match hierarchy.chain.len() <= LOSS_CHAIN_MAX_BLOCKS {
+        true => hierarchy.loss_chain(sg)?,
+        false => None,
+    };
+    let (at_budget, fitting) = std::thread::scope(|scope| {
+        // The solves at the budget itself, with the fine slots: on the chain where it has more
+        // slots than the scan's, and on the loss chain.
+        let at_budget = scope.spawn(move || {
+            let fine_chain = (fine > slots).then_some(&hierarchy.chain);
+            let chains = fine_chain.into_iter().chain(loss.as_ref());
+            let solved = chains.map(|chain| {
+                hierarchy.composed(graph, sg, dp::solve(chain, budget, fine.max(slots)))
+            });
+            solved.collect::<Result<Vec<_>>>()
         });
         let mut fitting = None;
         let each = |limits: &&[u64]| limits.iter().map(probe).collect::<Vec<_>>();
@@ -144,17 +155,13 @@ pub fn candidates(
                 fitting = Some(k);
             }
         }
-        let fine = fine.map(|f| f.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-        Ok::<_, crate::Error>((fine.transpose()?.flatten(), fitting))
+        let at_budget = at_budget
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        Ok::<_, crate::Error>((at_budget?, fitting))
     })?;
-    consider(fine, false);
-    if hierarchy.chain.len() <= LOSS_CHAIN_MAX_BLOCKS {
-        if let Some(loss) = hierarchy.loss_chain(sg)? {
-            consider(
-                hierarchy.composed(graph, sg, dp::solve(&loss, budget, slots))?,
-                false,
-            );
-        }
+    for composed in at_budget {
+        consider(composed, false);
     }
     if let Some(k) = fitting {
         let (mut lo, mut hi) = (scan[k], scan.get(k + 1).copied().unwrap_or(scan[k]));
