@@ -241,30 +241,49 @@ fn recomputing(
         return Ok((schedule, status, lowest));
     }
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than a forward
-    // (near the smallest budget), the heuristic's with more kept may be faster.
-    let mut kept = kept_more(graph, sg, budget, recompute, dropped, found_by_heuristic)?;
-    // Greedy, it may find a slower schedule at a budget than below it, which fits too. A budget
-    // searched already (all of them at the keep-nothing schedule's peak) is not searched again.
-    let mut searched = vec![budget];
+    // (near the smallest budget), the heuristic's with more kept may be faster. Greedy, it may
+    // find a slower schedule at a budget than below it, which fits too: it also searches lower
+    // budgets, each once (all of them are the budget at the keep-nothing schedule's peak), and
+    // the searches run on all cores.
+    let mut budgets = vec![budget];
     for quarter in LOWER_QUARTERS {
         let lower = floor + budget.saturating_sub(floor) * quarter / 4;
-        if searched.contains(&lower) {
-            continue;
-        }
-        searched.push(lower);
-        let found = heuristic(graph, sg, lower, store)?;
-        let found = kept_more(
-            graph,
-            sg,
-            lower,
-            found.recompute,
-            found.dropped,
-            found.schedule,
-        )?;
-        if report(&found).time < report(&kept).time {
-            kept = found;
+        if !budgets.contains(&lower) {
+            budgets.push(lower);
         }
     }
+    let search = |&at: &u64| match at == budget {
+        true => kept_more(
+            graph,
+            sg,
+            at,
+            recompute,
+            dropped,
+            found_by_heuristic.clone(),
+        ),
+        false => {
+            let found = heuristic(graph, sg, at, store)?;
+            kept_more(
+                graph,
+                sg,
+                at,
+                found.recompute,
+                found.dropped,
+                found.schedule,
+            )
+        }
+    };
+    let mut kept: Option<Schedule> = None;
+    for found in crate::parallel::map(&budgets, search) {
+        let found = found?;
+        if kept
+            .as_ref()
+            .is_none_or(|k| report(&found).time < report(k).time)
+        {
+            kept = Some(found);
+        }
+    }
+    let kept = kept.expect("the budget itself is searched");
     if report(&kept).time < time {
         return Ok((kept, SolverStatus::Fallback, lowest));
     }
