@@ -189,9 +189,9 @@ fn recomputing(
     let hierarchical = hierarchical(graph, sg, budget, options, &hierarchy_options)?;
     let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
     // The keep-set heuristic is searched only where the hierarchy's schedule recomputes more
-    // than a forward, or where it has none (`docs/decisions.md`, "The planner").
+    // than half a forward, or where it has none (`docs/decisions.md`, "The planner").
     if let Some((schedule, status)) = hierarchical.as_ref().and_then(Found::best) {
-        if report(schedule).recomputed_time <= forward {
+        if report(schedule).recomputed_time <= forward / 2.0 {
             let lowest = hierarchical.as_ref().and_then(|found| found.lowest);
             return Ok((schedule.clone(), *status, lowest));
         }
@@ -237,16 +237,19 @@ fn recomputing(
     let lowest = found.lowest;
     let (schedule, status) = found.chosen().expect("the heuristic's schedule fits");
     let time = report(&schedule).time;
-    if status != SolverStatus::Fallback && report(&schedule).recomputed_time <= forward {
+    if status != SolverStatus::Fallback && report(&schedule).recomputed_time <= forward / 2.0 {
         return Ok((schedule, status, lowest));
     }
-    // Where the heuristic's schedule is chosen, or the one chosen recomputes more than a forward
-    // (near the smallest budget), the heuristic's with more kept may be faster. Greedy, it may
-    // find a slower schedule at a budget than below it, which fits too: it also searches lower
-    // budgets, each once (all of them are the budget at the keep-nothing schedule's peak), and
-    // the searches run on all cores.
+    // Where the heuristic's schedule is chosen, or the one chosen recomputes more than half a
+    // forward, the heuristic's with more kept may be faster. Greedy, it may find a slower
+    // schedule at a budget than below it, which fits too: near the smallest budget (the
+    // heuristic's schedule chosen, or more than a forward recomputed) it also searches lower
+    // budgets, each once (all of them are the budget at the keep-nothing schedule's peak). The
+    // searches run on all cores.
+    let near_floor =
+        status == SolverStatus::Fallback || report(&schedule).recomputed_time > forward;
     let mut budgets = vec![budget];
-    for quarter in LOWER_QUARTERS {
+    for quarter in LOWER_QUARTERS.iter().filter(|_| near_floor) {
         let lower = floor + budget.saturating_sub(floor) * quarter / 4;
         if !budgets.contains(&lower) {
             budgets.push(lower);
