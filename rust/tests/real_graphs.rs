@@ -68,8 +68,9 @@ fn rockmate_plans_saved_graphs_within_budget() {
 /// On the saved encoder graph, small enough for Checkmate's whole-graph ILP to reach its 1% gap,
 /// Rockmate's schedule is within 2% of the ILP's at 5 budgets from 80% to 20% of the way from the
 /// smallest budget to plain PyTorch's peak (the worst ratio is printed: 1.0114 measured), and
-/// within 15% at 15%, 10% and 5% of the way (1.0497, 1.0906 and 1.0333 measured: near the
-/// smallest budget Rockmate's blocks miss schedules the ILP finds).
+/// within 15% at 15%, 10% and 5% of the way (1.0289, 1.0280 and 1.0000 measured: near the
+/// smallest budget Rockmate's blocks miss schedules the ILP finds; at 5% both plan the keep-set
+/// heuristic's with more kept, faster than the ILP's optimum).
 #[test]
 fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
     let g = load("encoder_2l");
@@ -81,7 +82,13 @@ fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
     let ratio_at = |fraction: f64| {
         let budget = budget_at(&g, fraction);
         let optimum = plan(&g, budget, &exact).unwrap();
-        assert_eq!(optimum.solver.unwrap().status, SolverStatus::Optimal);
+        // The ILP's optimum, or the keep-set heuristic's with more kept where that is faster
+        // (its late checkpoints are outside the ILP's model: at 5% of the way), found within the
+        // ILP's time limit.
+        let info = optimum.solver.unwrap();
+        let closed = info.status == SolverStatus::Optimal
+            || (info.status == SolverStatus::Fallback && info.seconds < exact.time_limit);
+        assert!(closed, "{fraction}: {info:?}");
         let rockmate = plan(&g, budget, &PlanOptions::default()).unwrap();
         let ratio = rockmate.predicted.unwrap().time / optimum.predicted.unwrap().time;
         eprintln!("encoder_2l at {fraction}: Rockmate / optimum {ratio:.4}");
