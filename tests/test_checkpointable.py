@@ -140,8 +140,13 @@ def test_tutorial_mlp_matches_plain_pytorch_under_each_limit() -> None:
 def test_resnet18_as_nested_sequential() -> None:
     torch.manual_seed(0)
     model, sample = resnet18(), torch.randn(8, 3, 64, 64)
+    blocks = remat.Checkpointable(copy.deepcopy(model), sample).chain["blocks"]
     plain, *peaks = check_limits(model, sample)
-    assert peaks[-1] < 0.7 * plain, f"the smallest limit should save memory: {peaks[-1]} vs plain {plain}"
+    # The largest op scratch is held at every limit (on an AMD EPYC, the backward of a 3x3
+    # convolution over 512 channels: 85 MB, beside 14 MB of the rest of plain PyTorch's peak).
+    scratch = max(o[k] for b in blocks for o in b["options"] for k in ("forward_temp_bytes", "backward_temp_bytes"))
+    saved = (peaks[-1] - scratch) / (plain - scratch)
+    assert saved < 0.7, f"the smallest limit should save memory: {peaks[-1]} vs plain {plain}, {scratch} of scratch"
 
 
 def test_dropout_and_in_place_relu_replay_the_same_random_numbers() -> None:

@@ -73,9 +73,8 @@ def test_loss_inside_is_planned_as_measured(hold: bool) -> None:
         assert peak <= budget, (budget, peak)
         assert abs(peak - predicted) <= 0.01 * peak, (predicted, peak)
         assert_close_grads(grads, plain_grads, rtol=1e-4, atol=1e-6)
-        if budget == probe.plan.min_budget:  # the loss's backward first: the solver's own plan, no cliff
+        if budget == probe.plan.min_budget:  # the loss's backward first, or the heuristic's if faster: no cliff
             forward = sum(n["time"] for n in rm.graph["nodes"] if n["phase"] == "forward")
-            assert rm.plan.schedule.solver.status != "fallback"
             assert rm.plan.schedule.predicted.recomputed_time <= 2 * forward
     assert probe.plan.plain_peak <= plain_peak * 1.01
 
