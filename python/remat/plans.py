@@ -601,7 +601,7 @@ def warn_if_slow(plan: Plan, options: Options) -> None:
     where = (target - min_budget) / max(plain_peak - min_budget, 1)
     solver = plan.schedule.solver
     own = None if solver is None else solver.own_plans_from
-    if solver is None or solver.status != "fallback" or (own is not None and own <= target):
+    if solver is None or solver.planned_its_own(target):
         found = "a larger budget runs faster"
     elif own is not None:
         found = (

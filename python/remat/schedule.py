@@ -58,10 +58,11 @@ class SolverInfo:
     # heuristic's), where they planned
     own_plans_from: int | None = None
 
-    def planned_its_own(self) -> bool:
-        """Whether the solver found schedules of its own within the budget (a ``fallback`` schedule
-        may still be chosen, where the keep-set heuristic's is faster)."""
-        return self.status != "fallback" or (self.own_plans_from is not None and self.own_plans_from <= self.budget)
+    def planned_its_own(self, budget: int | None = None) -> bool:
+        """Whether the solver found schedules of its own within ``budget`` (its own by default; a
+        ``fallback`` schedule may still be chosen, where the keep-set heuristic's is faster)."""
+        within = self.budget if budget is None else budget
+        return self.status != "fallback" or (self.own_plans_from is not None and self.own_plans_from <= within)
 
 
 @dataclass(frozen=True)

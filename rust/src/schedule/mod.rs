@@ -35,7 +35,8 @@ pub enum SolverStatus {
     Optimal,
     /// The best feasible schedule found within the time limit.
     TimeLimit,
-    /// No solution was found in time: the minimal-memory schedule.
+    /// The keep-set heuristic's schedule, which every solver falls back on: none of the solver's
+    /// own fits the budget, or the heuristic's is faster.
     Fallback,
 }
 

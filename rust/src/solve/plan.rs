@@ -189,9 +189,9 @@ fn recomputing(
     let hierarchical = hierarchical(graph, sg, budget, options, &hierarchy_options)?;
     let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
     // The keep-set heuristic is searched only where the hierarchy's schedule recomputes more
-    // than half a forward, or where it has none (`docs/decisions.md`, "The planner").
+    // than `HEURISTIC_FROM` forwards, or where it has none (`docs/decisions.md`, "The planner").
     if let Some((schedule, status)) = hierarchical.as_ref().and_then(Found::best) {
-        if report(schedule).recomputed_time <= forward / 2.0 {
+        if report(schedule).recomputed_time <= forward * HEURISTIC_FROM {
             let lowest = hierarchical.as_ref().and_then(|found| found.lowest);
             return Ok((schedule.clone(), *status, lowest));
         }
@@ -237,7 +237,9 @@ fn recomputing(
     let lowest = found.lowest;
     let (schedule, status) = found.chosen().expect("the heuristic's schedule fits");
     let time = report(&schedule).time;
-    if status != SolverStatus::Fallback && report(&schedule).recomputed_time <= forward / 2.0 {
+    if status != SolverStatus::Fallback
+        && report(&schedule).recomputed_time <= forward * HEURISTIC_FROM
+    {
         return Ok((schedule, status, lowest));
     }
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than half a
@@ -544,6 +546,10 @@ fn fastest_keep_set(
 /// Ops that [`kept_more`] simulates at most in all: on GPT-2 48L, whose lazy keep-nothing
 /// schedule runs 2.8 million ops, a few tries; on the saved graphs, every storage.
 const KEEP_MORE_OPS: usize = 5_000_000;
+
+/// Forwards' time a schedule of the hierarchy recomputes beyond which the keep-set heuristic
+/// (with more kept) is searched too, and may be chosen where faster.
+const HEURISTIC_FROM: f64 = 0.5;
 
 /// Budgets below the one asked, in quarters of the way from the keep-nothing schedule's peak,
 /// where the heuristic's schedule is found again: [`kept_more`], greedy, finds slower ones at some
