@@ -7,7 +7,9 @@ as op times (a 0.7 ms dropout measured 36 ms with two workers of two threads on 
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +20,12 @@ if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)  # the tests' subprocesses too
+    # An Inductor cache per worker (and its subprocesses): with one cache for both, a worker once
+    # loaded a compiled kernel's library that was not whole ("file too short").
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['PYTEST_XDIST_WORKER']}"),
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -79,7 +79,7 @@ fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
         time_limit: 300.0,
         ..PlanOptions::default()
     };
-    let ratio_at = |fraction: f64| {
+    let ratio_at = |&fraction: &f64| {
         let budget = budget_at(&g, fraction);
         let optimum = plan(&g, budget, &exact).unwrap();
         // The ILP's optimum, or the keep-set heuristic's with more kept where that is faster
@@ -94,20 +94,37 @@ fn rockmate_is_within_2_percent_of_the_optimum_on_the_encoder() {
         eprintln!("encoder_2l at {fraction}: Rockmate / optimum {ratio:.4}");
         ratio
     };
-    let worst = [0.8, 0.6, 0.4, 0.3, 0.2]
-        .map(ratio_at)
-        .into_iter()
-        .fold(0.0, f64::max);
+    // The ILPs run on one thread each: two threads take the fractions in turn.
+    let fractions = [0.8, 0.6, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05];
+    let ratios = on_two_threads(&fractions, &ratio_at);
+    let worst = ratios[..5].iter().copied().fold(0.0, f64::max);
     eprintln!("encoder_2l: worst ratio to the optimum {worst:.4}");
     assert!(worst <= 1.02, "Rockmate {worst:.4}x the optimum");
-    let near_floor = [0.15, 0.1, 0.05]
-        .map(ratio_at)
-        .into_iter()
-        .fold(0.0, f64::max);
+    let near_floor = ratios[5..].iter().copied().fold(0.0, f64::max);
     assert!(
         near_floor <= 1.15,
         "Rockmate {near_floor:.4}x the optimum near the floor"
     );
+}
+
+/// `f` of each item, in order, computed by two threads that take the items in turn.
+fn on_two_threads<T: Sync, R: Send + Default + Clone>(
+    items: &[T],
+    f: &(impl Fn(&T) -> R + Sync),
+) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new(vec![R::default(); items.len()]);
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = f(item);
+                results.lock().unwrap()[i] = r;
+            });
+        }
+    });
+    results.into_inner().unwrap()
 }
 
 /// GPT-2 6L with the user's loss outside the model (`gpt2_6l_loss`: 128 MiB held from the end of
