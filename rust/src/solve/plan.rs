@@ -243,11 +243,11 @@ fn recomputing(
         return Ok((schedule, status, lowest));
     }
     // Where the heuristic's schedule is chosen, or the one chosen recomputes more than
-    // `HEURISTIC_FROM` forwards, the heuristic's with more kept may be faster. Greedy, it may find a slower
-    // schedule at a budget than below it, which fits too: near the smallest budget (the
-    // heuristic's schedule chosen, or more than a forward recomputed) it also searches lower
-    // budgets, each once (all of them are the budget at the keep-nothing schedule's peak). The
-    // searches run on all cores.
+    // `HEURISTIC_FROM` forwards, the heuristic's with more kept may be faster. Greedy, it may
+    // find a slower schedule at a budget than below it, which fits too: near the smallest
+    // budget (the heuristic's schedule chosen, or more than a forward recomputed) it also
+    // searches lower budgets, each once (all of them are the budget at the keep-nothing
+    // schedule's peak). The searches run on all cores.
     let near_floor =
         status == SolverStatus::Fallback || report(&schedule).recomputed_time > forward;
     let mut budgets = vec![budget];
