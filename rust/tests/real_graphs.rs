@@ -302,8 +302,9 @@ fn rockmate_plans_the_same_schedule_twice() {
     }
 }
 
-/// Plans `name` at fractions of the way from the smallest budget to plain PyTorch's peak.
-fn plans_within_budget(name: &str, time_limit: f64) {
+/// Plans `name` with `solver` at fractions of the way from the smallest budget to plain
+/// PyTorch's peak.
+fn plans_within_budget(name: &str, solver: remat::Solver, time_limit: f64) {
     let g = load(name);
     let (lo, hi) = budget_range(&g).unwrap();
     assert!(lo <= hi, "{name}: {lo} > {hi}");
@@ -312,7 +313,7 @@ fn plans_within_budget(name: &str, time_limit: f64) {
         let budget = budget_at(&g, fraction);
         let start = Instant::now();
         let options = PlanOptions {
-            solver: remat::Solver::Checkmate,
+            solver,
             time_limit,
             ..PlanOptions::default()
         };
@@ -416,17 +417,24 @@ fn every_saved_graph_reads() {
 
 #[test]
 fn mlp_plans_within_budget() {
-    plans_within_budget("mlp", 10.0);
+    plans_within_budget("mlp", remat::Solver::Checkmate, 10.0);
 }
 
 #[test]
 fn cnn_plans_within_budget() {
-    plans_within_budget("cnn", 10.0);
+    plans_within_budget("cnn", remat::Solver::Checkmate, 10.0);
 }
 
 #[test]
 fn gpt2_2l_plans_within_budget() {
-    plans_within_budget("gpt2_2l", 3.0);
+    plans_within_budget("gpt2_2l", remat::Solver::Checkmate, 3.0);
+}
+
+/// The CNN is one block to the partition: Rockmate plans it on its blocks cut smaller, beside
+/// the whole graph's ILP.
+#[test]
+fn a_graph_of_one_block_plans_within_budget_with_rockmate() {
+    plans_within_budget("cnn", remat::Solver::Rockmate, 30.0);
 }
 
 /// On GPT-2 2L and the encoder, the DP's sequences over the grid of limits use leaves (`FB`) and

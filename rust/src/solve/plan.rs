@@ -116,6 +116,12 @@ const BLOCK_ILP_SECONDS: f64 = 1.0;
 /// node does not close: GPT-2 48L's layer class (65 groups, 2917 rows) ran both to 1 s, at a
 /// gap of 92%, and returned their warm starts. Of 112 saved-graph plans, none changed with 0.2 s.
 const PEAK_ILP_SECONDS: f64 = 0.2;
+/// Seconds Rockmate's whole-graph ILP may run at most on a graph its partition leaves as one
+/// block, beside the hierarchy of that graph cut at the join size. The root node of such an ILP
+/// may take the whole time limit: on five MLP blocks (84 groups) it closed in 1.2 s at 80% of
+/// plain PyTorch's peak, and took 23 s and more at lower budgets, while the cut hierarchy planned
+/// in 1.6 s.
+const ONE_BLOCK_ILP_SECONDS: f64 = 2.0;
 
 impl PlanOptions {
     /// The hierarchical solvers' settings.
@@ -186,12 +192,25 @@ fn recomputing(
     options: &PlanOptions,
 ) -> Result<(Schedule, SolverStatus, Option<u64>)> {
     let hierarchy_options = options.hierarchy();
-    let hierarchical = hierarchical(graph, sg, budget, options, &hierarchy_options)?;
+    let (hierarchy, whole_ilp_seconds) = hierarchy_of(graph, sg, options, &hierarchy_options)?;
+    let hierarchical = match hierarchy {
+        Some(hierarchy) => Some(hierarchical(
+            graph,
+            sg,
+            hierarchy,
+            budget,
+            &hierarchy_options,
+        )?),
+        None => None,
+    };
     let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
     // The keep-set heuristic is searched only where the hierarchy's schedule recomputes more
-    // than `HEURISTIC_FROM` forwards, or where it has none (`docs/decisions.md`, "The planner").
+    // than `HEURISTIC_FROM` forwards, or where it has none (`docs/decisions.md`, "The planner"),
+    // or where it warm-starts the whole-graph ILP.
     if let Some((schedule, status)) = hierarchical.as_ref().and_then(Found::best) {
-        if report(schedule).recomputed_time <= forward * HEURISTIC_FROM {
+        if whole_ilp_seconds.is_none()
+            && report(schedule).recomputed_time <= forward * HEURISTIC_FROM
+        {
             let lowest = hierarchical.as_ref().and_then(|found| found.lowest);
             return Ok((schedule.clone(), *status, lowest));
         }
@@ -206,24 +225,20 @@ fn recomputing(
         }
         Err(e) => return Err(e),
     };
-    // Checkmate's schedule is the ILP's at the budget, found near it as the heuristic's is.
-    let mut found = match hierarchical {
-        Some(found) => found,
-        None => Found {
-            lowest: None,
-            grid: Vec::new(),
-            near: checkmate(
-                graph,
-                sg,
-                budget,
-                options,
-                fallback.recompute,
-                &fallback.plan,
-            )?
-            .into_iter()
-            .collect(),
-        },
-    };
+    // The whole-graph ILP's schedule at the budget is found near it, as the heuristic's is.
+    let mut found = hierarchical.unwrap_or_default();
+    if let Some(seconds) = whole_ilp_seconds {
+        let whole = ilp::SolveOptions {
+            time_limit: seconds,
+            mip_gap: options.mip_gap,
+            recompute: fallback.recompute,
+            saved_limit: None,
+            max_nodes: None,
+        };
+        found
+            .near
+            .extend(checkmate(graph, sg, budget, whole, &fallback.plan)?);
+    }
     let Heuristic {
         recompute,
         dropped,
@@ -295,25 +310,22 @@ fn recomputing(
     Ok((schedule, status, lowest))
 }
 
-/// What the hierarchical solvers find on both partitions, each schedule with its hierarchy's
-/// status; `None` without a hierarchy (Checkmate's path).
+/// What the hierarchical solvers find on `hierarchy`'s partition and on the finer one, each
+/// schedule with its hierarchy's status.
 fn hierarchical(
     graph: &Graph,
     sg: &SimpleGraph,
+    mut hierarchy: Hierarchy,
     budget: u64,
-    options: &PlanOptions,
     hierarchy_options: &HierarchyOptions,
-) -> Result<Option<Found>> {
-    let Some(mut hierarchy) = hierarchy_of(graph, sg, options, hierarchy_options)? else {
-        return Ok(None);
-    };
+) -> Result<Found> {
     let mut found = Found::default();
     found.search(graph, sg, &mut hierarchy, budget, hierarchy_options)?;
     if let Some(fine) = rockmate::finer_partition(sg, hierarchy_options, &hierarchy.partition) {
         let mut fine = Hierarchy::reusing(graph, sg, fine, hierarchy_options, Some(&hierarchy))?;
         found.search(graph, sg, &mut fine, budget, hierarchy_options)?;
     }
-    Ok(Some(found))
+    Ok(found)
 }
 
 fn report(schedule: &Schedule) -> crate::schedule::Report {
@@ -401,22 +413,35 @@ impl Found {
     }
 }
 
-/// The hierarchy of the hierarchical solvers; `None` for Checkmate, and for Rockmate on a graph
-/// that is one block (its ILP at the budget itself is then the whole-graph ILP).
+/// The hierarchy of the hierarchical solvers, and the seconds the whole-graph ILP runs beside it,
+/// if it runs: Checkmate's ILP alone, for the whole time limit; Rockmate's on a graph that is one
+/// block (its ILP at the budget is then the whole-graph ILP), for at most
+/// [`ONE_BLOCK_ILP_SECONDS`], beside the hierarchy of that graph cut at the join size where that
+/// makes more than one block.
 fn hierarchy_of(
     graph: &Graph,
     sg: &SimpleGraph,
     options: &PlanOptions,
     hierarchy_options: &HierarchyOptions,
-) -> Result<Option<Hierarchy>> {
+) -> Result<(Option<Hierarchy>, Option<f64>)> {
     if options.solver == Solver::Checkmate {
-        return Ok(None);
+        return Ok((None, Some(options.time_limit)));
     }
-    let blocks = partition(sg, hierarchy_options.partition);
+    let mut blocks = partition(sg, hierarchy_options.partition);
+    let mut whole_ilp_seconds = None;
     if blocks.len() == 1 && options.solver == Solver::Rockmate {
-        return Ok(None);
+        whole_ilp_seconds = Some(options.time_limit.min(ONE_BLOCK_ILP_SECONDS));
+        let cut = PartitionOptions {
+            max_block_groups: hierarchy_options.partition.join_groups,
+            ..hierarchy_options.partition
+        };
+        blocks = partition(sg, cut);
+        if blocks.len() == 1 {
+            return Ok((None, whole_ilp_seconds));
+        }
     }
-    Hierarchy::of_partition(graph, sg, blocks, hierarchy_options).map(Some)
+    let hierarchy = Hierarchy::of_partition(graph, sg, blocks, hierarchy_options)?;
+    Ok((Some(hierarchy), whole_ilp_seconds))
 }
 
 /// The best keep-set heuristic schedule within the budget, and the recomputation scope.
@@ -480,27 +505,19 @@ fn heuristic(graph: &Graph, sg: &SimpleGraph, budget: u64, store: &Schedule) -> 
     })
 }
 
-/// Checkmate's ILP over the whole graph, warm-started with `heuristic`; `None` when it finds
-/// nothing within the budget in time.
+/// The ILP over the whole graph (Checkmate's), warm-started with `heuristic`; `None` when it
+/// finds nothing within the budget in time.
 fn checkmate(
     graph: &Graph,
     sg: &SimpleGraph,
     budget: u64,
-    options: &PlanOptions,
-    recompute: Recompute,
+    solve_options: ilp::SolveOptions,
     heuristic: &StagePlan,
 ) -> Result<Option<(Schedule, SolverStatus)>> {
     let heuristic_peak = peak(&simulated(graph, sg, heuristic)?);
     // Solve a hair below the budget so HiGHS's feasibility tolerance cannot push the real peak
     // over it (never below what the heuristic schedule needs).
     let target = budget - (budget / 1_000_000).min(budget - heuristic_peak);
-    let solve_options = ilp::SolveOptions {
-        time_limit: options.time_limit,
-        mip_gap: options.mip_gap,
-        recompute,
-        saved_limit: None,
-        max_nodes: None,
-    };
     let Some(solution) = ilp::solve(sg, target, solve_options, Some(heuristic))? else {
         return Ok(None);
     };
