@@ -77,7 +77,8 @@ class Remat(nn.Module):
             ``"rotor"`` (DP over the same blocks, each stored or recomputed whole),
             ``"checkmate"`` (one ILP over the whole graph) or ``"none"`` (plain PyTorch, for
             comparison).
-        time_limit: seconds an ILP may run; the best schedule found by then is used.
+        time_limit: seconds an ILP may run (Rockmate's: at most 1 s a block, 2 s a graph of one block);
+            the best schedule found by then is used.
         mip_gap: relative optimality gap at which an ILP stops.
         slots: memory slots of the DP over blocks (``"rockmate"``, ``"rotor"``): more is finer
             and slower.

@@ -53,7 +53,8 @@ impl Solver {
 pub struct PlanOptions {
     pub solver: Solver,
     /// Seconds an ILP may run (Checkmate's whole-graph ILP; each of Rockmate's per-block ILPs
-    /// runs at most `BLOCK_ILP_SECONDS` of it); the best solution found by then is used.
+    /// runs at most `BLOCK_ILP_SECONDS` of it, its whole-graph ILP on a graph of one block
+    /// `ONE_BLOCK_ILP_SECONDS`); the best solution found by then is used.
     pub time_limit: f64,
     /// Relative MIP gap at which HiGHS stops.
     pub mip_gap: f64,
