@@ -11,21 +11,24 @@ import getpass
 import os
 import tempfile
 
-import pytest
-import torch
-from helpers import at_the_sample_only
+# An Inductor cache per xdist worker (and its subprocesses): with one cache for both, a worker
+# loaded a compiled kernel's library the other was writing ("file too short"). Set before remat
+# is imported, which sets Inductor's default.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"
+    )
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{_CACHE}_{os.environ['PYTEST_XDIST_WORKER']}"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import at_the_sample_only  # noqa: E402
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
     torch.set_num_threads(_THREADS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)  # the tests' subprocesses too
-    # An Inductor cache per worker (and its subprocesses): with one cache for both, a worker once
-    # loaded a compiled kernel's library that was not whole ("file too short").
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['PYTEST_XDIST_WORKER']}"),
-    )
 
 
 @pytest.fixture(autouse=True)
