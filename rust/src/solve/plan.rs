@@ -119,7 +119,7 @@ const BLOCK_ILP_SECONDS: f64 = 1.0;
 const PEAK_ILP_SECONDS: f64 = 0.2;
 /// Seconds Rockmate's whole-graph ILP may run at most on a graph its partition leaves as one
 /// block, beside the hierarchy of that graph cut at the join size. The root node of such an ILP
-/// may take the whole time limit: on five MLP blocks (84 groups) it closed in 1.2 s at 80% of
+/// may take the whole time limit: on five MLP blocks (121 ops) it closed in 1.2 s at 80% of
 /// plain PyTorch's peak, and took 23 s and more at lower budgets, while the cut hierarchy planned
 /// in 1.6 s.
 const ONE_BLOCK_ILP_SECONDS: f64 = 2.0;
