@@ -218,22 +218,54 @@ fn layer() -> impl Strategy<Value = Layer> {
 /// The worst ratio of the hierarchy's schedule time to the optimum at 4 budgets. The ILP's
 /// optimum is exact within its model, which recomputes lazily (only for a backward op, only
 /// ancestors of what it reads) whenever that is feasible; a segment's sweeps of refills may beat
-/// it slightly (by one 0.1 s sum out of 36 s, seen once), never by much.
+/// it (by 1 s out of 38 s on three layers `Layer::new(100, 400, 8.0, 1.0)` around a 700-byte
+/// hidden state, at 20%), never the optimum of the ILP that recomputes anywhere, which is then
+/// the yardstick.
 fn worst_ratio(g: &Graph) -> Result<f64, TestCaseError> {
     let mut worst: f64 = 1.0;
     for f in [0.2, 0.4, 0.6, 0.8] {
         let budget = budget_at(g, f);
-        let best = optimal_time(g, budget);
+        let mut best = optimal_time(g, budget);
         let time = hierarchy_time(g, budget);
         prop_assert!(time.is_some(), "no hierarchical schedule within {budget}");
         let time = time.unwrap();
-        prop_assert!(
-            time >= 0.98 * best,
-            "much faster than the optimum: {time} < {best}"
-        );
+        if time < 0.98 * best {
+            best = unrestricted_optimal_time(g, budget);
+            prop_assert!(
+                time >= best * (1.0 - 1e-9),
+                "faster than the optimum: {time} < {best}"
+            );
+        }
         worst = worst.max(time / best);
     }
     Ok(worst)
+}
+
+/// The optimum of the exact whole-graph ILP that may recompute anywhere.
+fn unrestricted_optimal_time(g: &Graph, budget: u64) -> f64 {
+    let sg = simplify(g);
+    let options = remat::testing::ilp::SolveOptions {
+        time_limit: 60.0,
+        mip_gap: 0.0,
+        recompute: remat::testing::recompute::Recompute::Anywhere,
+        saved_limit: None,
+        max_nodes: None,
+    };
+    let solved = remat::testing::ilp::solve(&sg, budget, options, None).unwrap();
+    let solved = solved.expect("the keep-nothing schedule fits");
+    assert_eq!(solved.status, remat::SolverStatus::Optimal);
+    let schedule = remat::testing::expand::schedule_of(g, &sg, &solved.plan).unwrap();
+    simulate(g, &schedule).unwrap().time
+}
+
+#[test]
+fn the_hierarchy_may_beat_the_lazy_optimum_not_the_unrestricted_one() {
+    let g = residual_net(700, &[Layer::new(100, 400, 8.0, 1.0); 3]);
+    let budget = budget_at(&g, 0.2);
+    let time = hierarchy_time(&g, budget).unwrap();
+    assert!(time < 0.98 * optimal_time(&g, budget));
+    assert!(worst_ratio(&g).unwrap() >= 1.0);
+    assert!(time >= unrestricted_optimal_time(&g, budget) * (1.0 - 1e-9));
 }
 
 proptest! {
