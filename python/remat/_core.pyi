@@ -70,9 +70,9 @@ def chain_limits(chain_json: str, slots: int) -> tuple[int, int]:
 def check_options(options: SolverOptions) -> None:
     """Raises remat.ArgumentError, saying what is allowed, where a setting of ``plan`` is bad."""
 
-def default_options() -> dict[str, str | float | int]:
+def default_options() -> dict[str, str | float | int | bool]:
     """The solver's settings where a caller gives none (``solver``, ``time_limit``, ``mip_gap``,
-    ``slots``): the one place they are written."""
+    ``slots``, ``quick``): the one place they are written."""
 
 def register_errors(
     graph: type[Exception],

@@ -4,7 +4,7 @@ and out, the JSON between them read and written here alone."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import _core, ranks
@@ -25,12 +25,15 @@ class SolverOptions:
     ILP over the whole graph) or ``"none"`` (plain PyTorch, for comparison); time_limit: seconds
     an ILP may run (the best schedule found by then is used); mip_gap: the relative optimality
     gap at which an ILP stops; slots: memory slots of the DP over blocks (more is finer and
-    slower). The defaults are the Rust planner's, and the object goes to it whole."""
+    slower); quick: the blocks' schedule wherever they have one within the budget, searching no
+    other (a plan in a fraction of the time, whose step may be slower: the schedule profiling
+    runs). The defaults are the Rust planner's, and the object goes to it whole."""
 
     solver: Solver = _DEFAULTS["solver"]
     time_limit: float = _DEFAULTS["time_limit"]
     mip_gap: float = _DEFAULTS["mip_gap"]
     slots: int = _DEFAULTS["slots"]
+    quick: bool = field(default=_DEFAULTS["quick"], kw_only=True)
 
     def __post_init__(self) -> None:
         if self.solver != "none":

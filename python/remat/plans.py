@@ -261,13 +261,14 @@ def first_plan(
 def profiling_plan(base: JointGraph, budget: int | float, options: Options) -> Plan:
     """The schedule profiling runs: the first plan from sizes and estimated times, or where those
     find ``budget`` infeasible, the smallest such plan (the ops' measured temporaries decide the
-    smallest feasible budget, which the error of the plan after profiling names). rotor's solver
-    makes it where it plans over its blocks (no ILPs: a quarter of Rockmate's time on GPT-2 48L),
-    Rockmate's where rotor has no schedule of its own within the budget, only the keep-set
-    heuristic's all solvers fall back on (their recomputations made profiling GPT-2 small at 0.4 of
-    its peak 3.4x as slow); profiling measures each op whichever schedule runs them."""
+    smallest feasible budget, which the error of the plan after profiling names). A quick plan
+    (``SolverOptions.quick``: the blocks' schedule, no other searched beside it): rotor's where
+    it plans over its blocks (no ILPs), Rockmate's where rotor has no schedule of its own within the
+    budget, only the keep-set heuristic's all solvers fall back on (their recomputations made
+    profiling GPT-2 small at 0.4 of its peak 3.4x as slow); profiling measures each op whichever
+    schedule runs them."""
     for solver in ("rotor", "rockmate"):
-        solving = replace(options, solver=solver)
+        solving = replace(options, solver=solver, quick=True)
         try:
             plan = first_plan(base, budget, solving)
         except InfeasibleBudget as exc:

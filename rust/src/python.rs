@@ -166,6 +166,7 @@ fn py_default_options(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     out.set_item("time_limit", d.time_limit)?;
     out.set_item("mip_gap", d.mip_gap)?;
     out.set_item("slots", d.slots)?;
+    out.set_item("quick", d.quick)?;
     Ok(out)
 }
 
@@ -181,6 +182,8 @@ struct OptionsArg {
     mip_gap: f64,
     #[pyo3(attribute)]
     slots: usize,
+    #[pyo3(attribute)]
+    quick: bool,
 }
 
 impl OptionsArg {
@@ -192,6 +195,7 @@ impl OptionsArg {
             time_limit: self.time_limit,
             mip_gap: self.mip_gap,
             slots: self.slots,
+            quick: self.quick,
         };
         options.check().map_err(|e| to_py_err(py, e))?;
         Ok(options)

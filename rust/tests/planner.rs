@@ -17,6 +17,7 @@ const EXACT: PlanOptions = PlanOptions {
     time_limit: 30.0,
     mip_gap: 0.0,
     slots: remat::testing::dp::DEFAULT_SLOTS,
+    quick: false,
 };
 
 /// Four layers of 10 B; f0 is the cheapest (1 s), the others take 5 s; 4 backward nodes of 1 s.

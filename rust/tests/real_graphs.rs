@@ -257,6 +257,42 @@ fn a_plan_recomputing_half_a_forward_is_no_slower_than_the_heuristics() {
     }
 }
 
+/// A quick plan is the hierarchy's schedule wherever the hierarchy has one within the budget,
+/// and the keep-set heuristic's otherwise: it fits, and is no faster than the full search's.
+/// On the encoder at 40% of plain PyTorch's peak rotor's full search chooses the heuristic's
+/// schedule with more kept, the quick one rotor's own; at the smallest budget neither hierarchy
+/// has one.
+#[test]
+fn a_quick_plan_is_the_hierarchys_where_it_has_one() {
+    let g = load("encoder_2l");
+    let plain = budget_range(&g).unwrap().1;
+    for (budget, own) in [(plain * 2 / 5, true), (budget_at(&g, 0.0), false)] {
+        for solver in [Solver::Rotor, Solver::Rockmate] {
+            let options = |quick| PlanOptions {
+                solver,
+                quick,
+                ..PlanOptions::default()
+            };
+            let full = plan(&g, budget, &options(false)).unwrap();
+            let quick = plan(&g, budget, &options(true)).unwrap();
+            let predicted = quick.predicted.unwrap();
+            assert_eq!(remat::simulate(&g, &quick).unwrap(), predicted);
+            assert!(predicted.peak_bytes <= budget, "{solver:?} at {budget}");
+            let full_time = full.predicted.unwrap().time;
+            assert!(
+                predicted.time >= full_time * 0.9999,
+                "{solver:?} at {budget}"
+            );
+            let status = quick.solver.as_ref().unwrap().status;
+            assert_eq!(
+                status != SolverStatus::Fallback,
+                own,
+                "{solver:?} at {budget}"
+            );
+        }
+    }
+}
+
 /// Rockmate's composed schedule recomputes nothing in the backward phase that nothing reads
 /// (here GPT-2 2L at 5% of the budget range, where its leaves recompute layer outputs).
 #[test]

@@ -1,5 +1,5 @@
 //! `remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] [--time-limit SECONDS]
-//! [--mip-gap GAP] [--slots N]`
+//! [--mip-gap GAP] [--slots N] [--quick]`
 //!
 //! Reads a graph file (`docs/formats.md`), plans it under BUDGET (bytes with a unit or not, or a
 //! fraction in (0, 1] of plain PyTorch's peak: [`Budget`]) and prints the schedule as JSON. The
@@ -9,7 +9,7 @@ use remat::{budget_range, plan, Budget, Graph, PlanOptions, Solver};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: remat-plan GRAPH.json BUDGET [--solver rockmate|rotor|checkmate] \
-                     [--time-limit SECONDS] [--mip-gap GAP] [--slots N]\n\
+                     [--time-limit SECONDS] [--mip-gap GAP] [--slots N] [--quick]\n\
                      BUDGET: bytes (300000, 512MiB, 2GiB, 1.5GB), or a fraction in (0, 1] of plain PyTorch's peak";
 
 fn main() -> ExitCode {
@@ -46,6 +46,7 @@ fn run(args: &[String]) -> Result<String, String> {
                     .and_then(|v| v.parse().ok())
                     .ok_or_else(|| format!("--slots needs a whole number\n{USAGE}"))?;
             }
+            "--quick" => options.quick = true,
             "-h" | "--help" => return Err(USAGE.to_string()),
             _ => positional.push(arg.as_str()),
         }

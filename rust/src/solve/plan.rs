@@ -60,6 +60,11 @@ pub struct PlanOptions {
     pub mip_gap: f64,
     /// Memory slots of the hierarchical solvers' DP: more is finer and slower.
     pub slots: usize,
+    /// The hierarchy's schedule wherever it has one within the budget, else the keep-set
+    /// heuristic's as first found: no keep-set search beside the hierarchy, no whole-graph ILP,
+    /// no search for more to keep. A plan in a fraction of the time whose step may be slower
+    /// (the schedule profiling runs).
+    pub quick: bool,
 }
 
 impl Default for PlanOptions {
@@ -69,6 +74,7 @@ impl Default for PlanOptions {
             time_limit: 30.0,
             mip_gap: 0.01,
             slots: crate::solve::dp::DEFAULT_SLOTS,
+            quick: false,
         }
     }
 }
@@ -207,11 +213,12 @@ fn recomputing(
     let forward: f64 = sg.groups[..sg.first_backward].iter().map(|g| g.time).sum();
     // The keep-set heuristic is searched only where the hierarchy's schedule recomputes more
     // than `HEURISTIC_FROM` forwards, or where it has none (`docs/decisions.md`, "The planner"),
-    // or where it warm-starts the whole-graph ILP.
+    // or where it warm-starts the whole-graph ILP; a quick plan searches it only where the
+    // hierarchy has none.
     if let Some((schedule, status)) = hierarchical.as_ref().and_then(Found::best) {
-        if whole_ilp_seconds.is_none()
-            && report(schedule).recomputed_time <= forward * HEURISTIC_FROM
-        {
+        let recomputes_little = whole_ilp_seconds.is_none()
+            && report(schedule).recomputed_time <= forward * HEURISTIC_FROM;
+        if options.quick || recomputes_little {
             let lowest = hierarchical.as_ref().and_then(|found| found.lowest);
             return Ok((schedule.clone(), *status, lowest));
         }
@@ -226,6 +233,10 @@ fn recomputing(
         }
         Err(e) => return Err(e),
     };
+    if options.quick {
+        let lowest = hierarchical.and_then(|found| found.lowest);
+        return Ok((fallback.schedule, SolverStatus::Fallback, lowest));
+    }
     // The whole-graph ILP's schedule at the budget is found near it, as the heuristic's is.
     let mut found = hierarchical.unwrap_or_default();
     if let Some(seconds) = whole_ilp_seconds {
