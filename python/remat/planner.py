@@ -26,8 +26,8 @@ class SolverOptions:
     an ILP may run (the best schedule found by then is used); mip_gap: the relative optimality
     gap at which an ILP stops; slots: memory slots of the DP over blocks (more is finer and
     slower); quick: the blocks' schedule wherever they have one within the budget, searching no
-    other (a plan in a fraction of the time, whose step may be slower: the schedule profiling
-    runs). The defaults are the Rust planner's, and the object goes to it whole."""
+    other, else the keep-set heuristic's (a plan in a fraction of the time, whose step may be
+    slower: the schedule profiling runs; Checkmate's is the heuristic's). The defaults are the Rust planner's, and the object goes to it whole."""
 
     solver: Solver = _DEFAULTS["solver"]
     time_limit: float = _DEFAULTS["time_limit"]

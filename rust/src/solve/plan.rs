@@ -62,8 +62,8 @@ pub struct PlanOptions {
     pub slots: usize,
     /// The hierarchy's schedule wherever it has one within the budget, else the keep-set
     /// heuristic's as first found: no keep-set search beside the hierarchy, no whole-graph ILP,
-    /// no search for more to keep. A plan in a fraction of the time whose step may be slower
-    /// (the schedule profiling runs).
+    /// no search for more to keep (Checkmate, which has no hierarchy, plans the heuristic's). A
+    /// plan in a fraction of the time whose step may be slower (the schedule profiling runs).
     pub quick: bool,
 }
 
