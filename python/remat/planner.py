@@ -27,7 +27,8 @@ class SolverOptions:
     gap at which an ILP stops; slots: memory slots of the DP over blocks (more is finer and
     slower); quick: the blocks' schedule wherever they have one within the budget, searching no
     other, else the keep-set heuristic's (a plan in a fraction of the time, whose step may be
-    slower: the schedule profiling runs; Checkmate's is the heuristic's). The defaults are the Rust planner's, and the object goes to it whole."""
+    slower: the schedule profiling runs; Checkmate's is the heuristic's). The defaults are the
+    Rust planner's, and the object goes to it whole."""
 
     solver: Solver = _DEFAULTS["solver"]
     time_limit: float = _DEFAULTS["time_limit"]
