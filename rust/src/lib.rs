@@ -18,8 +18,8 @@
 //!   ops (`ops.rs`) and their one replay (`replay.rs`), planned by the DP into a
 //!   [`ChainSequence`] ([`plan_chain()`]).
 //! - `file.rs` (the one versioned JSON file of every format), `budget.rs` (the one budget rule),
-//!   `stages.rs` (the planner's stages for display), `error.rs` (the one error type),
-//!   `python.rs` (`remat._core`: converts types only).
+//!   `inspect.rs` (the planner's stages converted for people to inspect; Python draws them),
+//!   `error.rs` (the one error type), `python.rs` (`remat._core`: converts types only).
 //!
 //! The items below are the API; [`testing`] reaches the inner stages for tests and benchmarks.
 
@@ -28,10 +28,10 @@ mod chain;
 mod error;
 mod file;
 mod graph;
+mod inspect;
 mod parallel;
 mod schedule;
 mod solve;
-mod stages;
 
 #[cfg(feature = "python")]
 mod python;
@@ -45,11 +45,11 @@ pub use error::{Error, Result};
 pub use graph::{
     Beside, Graph, Node, Output, OutputKind, Phase, Value, ValueKind, FORMAT_VERSION, GRAPH_SCHEMA,
 };
+pub use inspect::{stages, Stages};
 pub use schedule::simulate::{memory_curve, simulate, Point};
 pub use schedule::{Op, Report, Schedule, SolverInfo, SolverStatus, SCHEDULE_SCHEMA};
 pub use solve::dp::{limits as chain_limits, solve as plan_chain, DEFAULT_SLOTS};
 pub use solve::plan::{budget_range, min_memory, plan, store_all, PlanOptions, Solver};
-pub use stages::{stages, Stages};
 
 /// The planner's inner stages, for tests and benchmarks: not a stable API.
 #[doc(hidden)]
