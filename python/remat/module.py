@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, astuple, dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -329,11 +329,16 @@ class Remat(nn.Module):
         """A ``Remat`` of the same model and settings for ``budget``, which plans from this one's
         captured and profiled graphs, capturing and profiling none again (``remat.backend``: a
         graph that a step calls several times, one per call, each planned for its share)."""
+        o = self._options
         rm = Remat(
             self.model,
             None,
             budget,
-            **asdict(self._options),
+            solver=o.solver,
+            time_limit=o.time_limit,
+            mip_gap=o.mip_gap,
+            slots=o.slots,
+            compile=o.compile,
             max_plans=self.max_plans,
             dynamic=self.dynamic,
             plan_dir=self.plan_dir,
