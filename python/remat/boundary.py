@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_
 from torch.utils._pytree import tree_leaves
 
 from .capture import Captured
-from .graph import JointGraph, Value, build_graph
+from .graph import JointGraph, Value, build_graph, mark_donors
 from .memory import allocated_bytes, storage_bytes
 from .sizes import as_nodes, same_shape
 
@@ -182,6 +182,7 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     if outside.held_bytes:  # counted while the backward runs, like an output's gradient
         source = next(iter(captured.gm.graph.nodes))
         g.values.append(Value(len(g.values), "held_by_the_loss", "tangent", source, None, outside.held_bytes))
+    mark_donors(g)
     return g
 
 

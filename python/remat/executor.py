@@ -21,11 +21,10 @@ import torch.fx as fx
 from torch._prims import rng_prims
 
 from .codegen import Code
-from .graph import IN_PLACE, JointGraph, device_of
+from .graph import IN_PLACE, IN_PLACE_FORMS, JointGraph, device_of, value_meta
 from .inductor import CompiledPhase, seed, seeded, seeded_dropout
 from .layout import in_layout
 from .memory import Allocations
-from .profile import value_meta
 from .rng import run_with_rng_state, save_rng_state
 from .schedule import Op, Schedule
 from .sizes import map_sizes, symbolic
@@ -92,6 +91,23 @@ def held_bytes(g: JointGraph, phases: Phases) -> int:
             v = g.values[v].alias_of
         roots.add(v)
     return sum(g.values[v].bytes for v in roots if g.values[v].kind == "activation")
+
+
+def donations(g: JointGraph, ops: tuple[Op, ...]) -> dict[int, int]:
+    """Index of each op of ``ops`` that runs in its donor's storage -> the donor: its node has one,
+    which the frees right after it free (``docs/formats.md``, "Donors"; the simulator's rule)."""
+    found = {}
+    for i, op in enumerate(ops):
+        donor = g.nodes[op.node].donor if op.computes else None
+        if donor is None:
+            continue
+        for after in ops[i + 1 :]:
+            if after.computes:
+                break
+            if after.value == donor:
+                found[i] = donor
+                break
+    return found
 
 
 def _alive_after(g: JointGraph, ops: tuple[Op, ...]) -> set[int]:
@@ -171,6 +187,7 @@ def _emit(
             sized[k] = b.call(operator.getitem, (call_sizes, k), {}, "size")
         return sized[k]
 
+    donating = donations(g, ops)
     for i, op in enumerate(ops):
         if mark is not None:
             b.call(_mark, (f"{mark}{i - 1}" if i else f"{mark}start",), {}, "mark")
@@ -185,6 +202,10 @@ def _emit(
         )
         in_place = node.fx_node.meta.get(IN_PLACE) and not compiled
         target = torch.ops.aten.add_.Tensor if in_place else node.fx_node.target
+        if not compiled and donating.get(i) is not None:  # the result in the dying operand's storage
+            target = IN_PLACE_FORMS[target][0]
+            if g.value_of.get(node.fx_node.args[0]) != node.donor:  # the second operand's
+                args = (args[1], args[0], *args[2:])
         if node.id in replayed and compiled and seeded(node):  # the mask from a seed, in Inductor's code
             if node.id not in states:
                 states[node.id] = b.call(seed, (device_of(node),), {}, "seed")

@@ -43,6 +43,7 @@ class Node:
     random: bool
     time: float = 0.0
     temp_bytes: int = 0
+    donor: int | None = None  # the input whose storage the node may write its output into (``mark_donors``)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class JointGraph:
                     "time": float(n.time),
                     "temp_bytes": int(n.temp_bytes),
                     "random": n.random,
+                    **({} if n.donor is None else {"donor": n.donor}),
                 }
                 for n in self.nodes
             ],
@@ -135,6 +137,14 @@ class JointGraph:
             for o, b in zip(c.outputs, c.output_bindings)
             if b.kind == "grad" and b.grad_of == "param" and o is not None
         }
+
+
+def value_meta(g: JointGraph, v: Value) -> torch.Tensor:
+    """The value's tensor as captured (fake, or the constant itself)."""
+    if v.source.op == "get_attr":
+        return getattr(g.captured.gm, v.source.target)
+    val = v.source.meta["val"]
+    return val if v.index is None else val[v.index]
 
 
 def device_of(node: Node) -> str:
@@ -215,6 +225,62 @@ def accumulate_in_place(g: JointGraph) -> None:
         if g.values[part].kind == "activation" and part not in outputs and views:
             n.fx_node.meta[IN_PLACE] = True
             g.values[part].bytes = 0
+
+
+# Ops with an in-place form whose result is the same: per op, that form and the operands it may
+# write into (either of a sum or product, a sum's second only where it does not scale it; the
+# first of a difference or quotient).
+IN_PLACE_FORMS = {
+    torch.ops.aten.add.Tensor: (torch.ops.aten.add_.Tensor, (0, 1)),
+    torch.ops.aten.mul.Tensor: (torch.ops.aten.mul_.Tensor, (0, 1)),
+    torch.ops.aten.sub.Tensor: (torch.ops.aten.sub_.Tensor, (0,)),
+    torch.ops.aten.div.Tensor: (torch.ops.aten.div_.Tensor, (0,)),
+}
+
+
+def mark_donors(g: JointGraph) -> None:
+    """Name each elementwise op's donor: an operand whose storage the op may write its result into
+    where the schedule frees the operand right after the op, as autograd sums gradients into the
+    first part's buffer (``docs/formats.md``, "Donors"). The operand is an activation owning a
+    storage no other value views, not a graph output, of the result's shape, strides and dtype.
+    A sum that makes a gradient output has none: its parts are activation memory, which a storage
+    that becomes ``.grad`` is not, and it holds no more with a storage of its own. Needs ``g``
+    profiled (aliases known)."""
+    viewed = {v.alias_of for v in g.values if v.alias_of is not None}
+    outputs = {v for v, _ in g.outputs}
+    grads = {v for v, kind in g.outputs if kind == "grad"}
+
+    def meta(vid: int) -> tuple:
+        t = value_meta(g, g.values[vid])
+        return str(t.shape), str(t.stride()), t.dtype, t.device
+
+    def can_give(vid: int, out: int) -> bool:
+        v = g.values[vid]
+        return (
+            v.kind == "activation"
+            and v.alias_of is None
+            and vid not in viewed
+            and vid not in outputs
+            and v.bytes == g.values[out].bytes > 0
+            and meta(vid) == meta(out)
+        )
+
+    for n in g.nodes:
+        n.donor = None
+        f = n.fx_node
+        _, positions = IN_PLACE_FORMS.get(f.target, (None, ()))
+        if not positions or f.meta.get(IN_PLACE) or n.random or len(n.outputs) != 1:
+            continue
+        out = n.outputs[0]
+        if g.values[out].alias_of is not None or out in grads:
+            continue
+        for i in positions:
+            arg = f.args[i] if i < len(f.args) else None
+            if i == 1 and f.kwargs.get("alpha", 1) != 1:
+                continue
+            if isinstance(arg, fx.Node) and arg in g.value_of and can_give(g.value_of[arg], out):
+                n.donor = g.value_of[arg]
+                break
 
 
 def _add_value(g: JointGraph, ref: fx.Node | str, source: fx.Node, index: int | None, kind: str) -> int:

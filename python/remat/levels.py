@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 from .boundary import differentiable_outputs
-from .graph import JointGraph
+from .graph import JointGraph, value_meta
 from .memory import allocated_bytes
-from .profile import value_meta
 from .sizes import Sizes, storage_expr
 
 # Each level's value of a symbol is the level above's divided by this (rounded up).

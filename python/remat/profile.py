@@ -38,7 +38,7 @@ import torch
 from .blocks import storage_keys
 from .capture import ACCUMULATES
 from .errors import CaptureError
-from .graph import JointGraph
+from .graph import JointGraph, value_meta
 from .layout import obeys_layout
 from .memory import Allocations, allocated_bytes, peak, profiler_running, storage_bytes
 from .schedule import Op, Schedule
@@ -77,14 +77,6 @@ def estimate(g: JointGraph) -> None:
             value = g.values[vid]
             _claim(value, *_fake_storage(g, value), owner_of, not n.fx_node.meta.get(ACCUMULATES))
         n.time = _estimated_time(g, n)
-
-
-def value_meta(g: JointGraph, v) -> torch.Tensor:
-    """The value's tensor as captured (fake, or the constant itself)."""
-    if v.source.op == "get_attr":
-        return getattr(g.captured.gm, v.source.target)
-    val = v.source.meta["val"]
-    return val if v.index is None else val[v.index]
 
 
 def _fake_storage(g: JointGraph, v) -> tuple[Any, int]:

@@ -3,11 +3,11 @@
 
 mod common;
 
-use common::{budget_at, chain, Builder};
+use common::{budget_at, chain, gradient_sum, Builder};
 use proptest::prelude::*;
 use remat::testing::recompute::Recompute;
 use remat::{
-    budget_range, plan, simulate, Beside, Error, Graph, PlanOptions, Schedule, SolverStatus,
+    budget_range, plan, simulate, Beside, Error, Graph, PlanOptions, Schedule, Solver, SolverStatus,
 };
 use remat::{min_memory, store_all};
 use remat::{OutputKind, Phase};
@@ -409,5 +409,37 @@ proptest! {
         }
         let below = plan(&g, lo.saturating_sub(1), &EXACT);
         prop_assert!(lo == 0 || matches!(below, Err(Error::Infeasible { .. })), "{:?}", below);
+    }
+}
+
+/// The solvers count a sum written into its donor's storage: Checkmate's ILP finds a plan of
+/// [`gradient_sum`] at 220 B only where `add` names its donor, and every solver plans there
+/// with a schedule of its own (not the keep-set heuristic's).
+#[test]
+fn every_solver_plans_a_sum_in_its_donors_storage() {
+    let options = remat::testing::ilp::SolveOptions {
+        time_limit: 10.0,
+        mip_gap: 0.0,
+        recompute: remat::testing::recompute::Recompute::Anywhere,
+        saved_limit: None,
+        max_nodes: None,
+    };
+    let solve = |donor| {
+        let sg = remat::testing::simplify::simplify(&gradient_sum(donor));
+        remat::testing::ilp::solve(&sg, 220, options, None).unwrap()
+    };
+    assert!(solve(false).is_none());
+    assert!(solve(true).is_some());
+    let below = plan(&gradient_sum(false), 220, &EXACT);
+    assert!(matches!(below, Err(Error::Infeasible { .. })), "{below:?}");
+    for solver in [Solver::Checkmate, Solver::Rockmate, Solver::Rotor] {
+        let options = PlanOptions { solver, ..EXACT };
+        let schedule = plan(&gradient_sum(true), 220, &options).unwrap();
+        assert!(report(&schedule).peak_bytes <= 220, "{solver:?}");
+        let own = schedule.solver.as_ref().unwrap().own_plans_from;
+        assert!(
+            own.is_none_or(|b| b <= 220),
+            "{solver:?}: own plans from {own:?}"
+        );
     }
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::Builder;
+use common::{gradient_sum, Builder};
 use remat::{memory_curve, simulate, Error, Graph, Op, Schedule};
 use remat::{OutputKind, Phase};
 
@@ -256,4 +256,34 @@ fn buffer_outputs_must_not_be_read_by_the_backward_phase() {
         Err(Error::Graph(msg)) => assert!(msg.contains("reads buffer output"), "{msg}"),
         other => panic!("expected a graph error, got {other:?}"),
     }
+}
+
+/// Plain PyTorch's order on [`gradient_sum`], each value freed after its last use; `late`: g1
+/// freed after `b0` instead of right after `add`.
+fn sum_schedule(late: bool) -> Schedule {
+    let mut backward = vec![compute(2), free(1), compute(3), free(3), compute(4)];
+    if late {
+        backward.extend([free(5), compute(5), free(4), free(6)]);
+    } else {
+        backward.extend([free(4), free(5), compute(5), free(6)]);
+    }
+    Schedule::new(vec![compute(0), compute(1)], backward)
+}
+
+#[test]
+fn a_sum_writes_into_its_donor_freed_right_after_it() {
+    let without = simulate(&gradient_sum(false), &sum_schedule(false)).unwrap();
+    assert_eq!(without.peak_bytes, 310);
+    let g = gradient_sum(true);
+    let with = simulate(&g, &sum_schedule(false)).unwrap();
+    assert_eq!(with.peak_bytes, 220);
+    let curve = memory_curve(&g, &sum_schedule(false)).unwrap();
+    let add = curve.iter().find(|p| p.op == compute(4)).unwrap();
+    assert_eq!((add.bytes, add.peak), (210, 210));
+}
+
+#[test]
+fn a_donor_kept_past_the_sum_is_not_written_into() {
+    let report = simulate(&gradient_sum(true), &sum_schedule(true)).unwrap();
+    assert_eq!(report.peak_bytes, 310);
 }

@@ -83,6 +83,10 @@ pub struct Node {
     pub temp_bytes: u64,
     #[serde(default)]
     pub random: bool,
+    /// An input whose storage the node may write its one output into, where the schedule frees
+    /// that input right after the node (`docs/formats.md`, "Donors").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub donor: Option<usize>,
 }
 
 /// A value returned by the forward or the backward phase.

@@ -67,6 +67,10 @@ pub struct Group {
     /// temporary bytes, and a fused chain's intermediate storages.
     pub temp_bytes: u64,
     pub phase: Phase,
+    /// The storage the group's first node writes its output into (its `donor`, `docs/formats.md`):
+    /// set on backward groups whose donor storage no other group reads, which every schedule
+    /// frees right after that node, so that the group's peak never holds both.
+    pub donor: Option<usize>,
 }
 
 /// The graph the solvers see: groups in topological order, forward ones first.
@@ -126,6 +130,13 @@ impl SimpleGraph {
             .sum()
     }
 
+    /// Bytes of the storage `group` writes its output into ([`Group::donor`]), 0 for none.
+    pub fn donated_bytes(&self, group: usize) -> u64 {
+        self.groups[group]
+            .donor
+            .map_or(0, |s| self.storages[s].bytes)
+    }
+
     /// Whether `group` reads `storage`.
     pub fn uses(&self, group: usize, storage: usize) -> bool {
         self.groups[group].inputs.binary_search(&storage).is_ok()
@@ -150,6 +161,7 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     fold_views(graph, &mut sg);
     link_inputs(graph, &mut sg);
     mark_held(graph, &mut sg);
+    mark_donors(graph, &mut sg);
     let tangents = tangents_read(graph, &sg);
     let mut sg = fuse_chains(sg, &tangents);
     sg.first_backward = sg
@@ -159,6 +171,26 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
         .unwrap_or(sg.groups.len());
     sg.tangents = tangent_lifetimes(graph, &sg);
     sg
+}
+
+/// Sets [`Group::donor`] where a backward group (of one node: before fusion) has a donor storage
+/// only it reads.
+fn mark_donors(graph: &Graph, sg: &mut SimpleGraph) {
+    for g in 0..sg.groups.len() {
+        let [real] = sg.groups[g].reals[..] else {
+            continue;
+        };
+        if sg.groups[g].phase != Phase::Backward {
+            continue;
+        }
+        let Some(s) = graph.node(real).donor.and_then(|d| sg.storage_of(d)) else {
+            continue;
+        };
+        let st = &sg.storages[s];
+        if st.hold == Hold::Planned && st.users == [g] {
+            sg.groups[g].donor = Some(s);
+        }
+    }
 }
 
 /// Per group: the tangent storages it reads, directly or through a view, ascending; none where
@@ -226,6 +258,7 @@ fn add_group(graph: &Graph, sg: &mut SimpleGraph, real: usize) {
         time: node.time,
         temp_bytes: node.temp_bytes,
         phase: node.phase,
+        donor: None,
     });
 }
 
@@ -384,9 +417,16 @@ fn fuse_chains(sg: SimpleGraph, tangents: &[Vec<usize>]) -> SimpleGraph {
             let out_bytes = sg.output_bytes(end);
             let mut peak = 0;
             let mut carried = 0;
-            for &g in run {
+            for (k, &g) in run.iter().enumerate() {
                 let made = sg.output_bytes(g);
-                peak = peak.max(carried + made + sg.groups[g].temp_bytes);
+                // A donor made by the group before: the output takes its storage.
+                let donated = match sg.groups[g].donor {
+                    Some(s) if k > 0 && sg.storages[s].producer == run[k - 1] => {
+                        sg.storages[s].bytes
+                    }
+                    _ => 0,
+                };
+                peak = peak.max((carried + made + sg.groups[g].temp_bytes).saturating_sub(donated));
                 carried = made;
             }
             let all = |field: fn(&Group) -> &Vec<usize>| -> Vec<usize> {
@@ -404,6 +444,8 @@ fn fuse_chains(sg: SimpleGraph, tangents: &[Vec<usize>]) -> SimpleGraph {
                 time: run.iter().map(|&g| sg.groups[g].time).sum(),
                 temp_bytes: peak - out_bytes.min(peak),
                 phase: sg.groups[end].phase,
+                // The first group's donor, an input of the run, dies as the run starts.
+                donor: sg.groups[run[0]].donor.and_then(|s| new_storage[s]),
             }
         })
         .collect();

@@ -9,7 +9,8 @@ pub(super) fn check_graph(values: &[Value], nodes: &[Node], outputs: &[Output]) 
     check_aliases(values)?;
     check_node_ids_and_times(nodes)?;
     check_dataflow(values, nodes)?;
-    check_outputs(values, nodes, outputs)
+    check_outputs(values, nodes, outputs)?;
+    check_donors(values, nodes, outputs)
 }
 
 fn check_value_ids(values: &[Value]) -> Check {
@@ -229,4 +230,42 @@ fn check_buffer_output(values: &[Value], nodes: &[Node], i: usize) -> Check {
         )),
         None => Ok(()),
     }
+}
+
+/// A donor is an input activation owning a storage no other value views, not a graph output,
+/// of the bytes of the node's one output, itself a new storage.
+fn check_donors(values: &[Value], nodes: &[Node], outputs: &[Output]) -> Check {
+    let mut viewed = vec![false; values.len()];
+    values
+        .iter()
+        .filter_map(|v| v.alias_of)
+        .for_each(|o| viewed[o] = true);
+    for n in nodes {
+        let Some(d) = n.donor else { continue };
+        let why_not = if !n.inputs.contains(&d) {
+            Some("it is not one of its inputs".to_string())
+        } else if values[d].kind != ValueKind::Activation || values[d].alias_of.is_some() {
+            Some("it is not an activation owning its storage".to_string())
+        } else if viewed[d] {
+            Some("other values view its storage".to_string())
+        } else if outputs.iter().any(|o| o.value == d) {
+            Some("it is a graph output".to_string())
+        } else if n.outputs.len() != 1 || values[n.outputs[0]].alias_of.is_some() {
+            Some("the node does not make one new storage".to_string())
+        } else if values[n.outputs[0]].bytes != values[d].bytes {
+            Some(format!(
+                "its {} bytes differ from the output's {}",
+                values[d].bytes, values[n.outputs[0]].bytes
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why_not {
+            return Err(format!(
+                "node {} ({}) names {d} ({}) as its donor, but {why}",
+                n.id, n.name, values[d].name
+            ));
+        }
+    }
+    Ok(())
 }

@@ -81,6 +81,8 @@ struct State<'g, 'c> {
     states: u64,
     /// The peak of the values' bytes and the states' together.
     step_peak: u64,
+    /// Per value: it gave its storage to the node just run, whose next frees free it.
+    donated: Vec<bool>,
 }
 
 impl<'g, 'c> State<'g, 'c> {
@@ -96,6 +98,7 @@ impl<'g, 'c> State<'g, 'c> {
             total: vec![0; graph.nodes().len()],
             states: 0,
             step_peak: 0,
+            donated: vec![false; n],
         };
         for v in graph.values().iter().filter(|v| v.kind.is_graph_input()) {
             state.make_alive(v.id);
@@ -145,7 +148,11 @@ impl<'g, 'c> State<'g, 'c> {
         for (i, op) in ops.iter().enumerate() {
             let at = || format!("{} op {i} ({op})", phase_name(phase));
             let height = match *op {
-                Op::Compute { node } => self.compute(phase, node).map_err(|e| fail(at(), e))?,
+                Op::Compute { node } => {
+                    let donor = self.donor(node, &ops[i + 1..]);
+                    self.compute(phase, node, donor)
+                        .map_err(|e| fail(at(), e))?
+                }
                 Op::Free { value } => {
                     self.free(phase, value).map_err(|e| fail(at(), e))?;
                     self.bytes
@@ -170,8 +177,25 @@ impl<'g, 'c> State<'g, 'c> {
         Ok(peak)
     }
 
-    /// Runs `node`; returns the memory it needs (outputs allocated, plus its temporaries).
-    fn compute(&mut self, phase: Phase, node: usize) -> std::result::Result<u64, String> {
+    /// The donor `node` writes its output into: its donor where the frees right after it free
+    /// that donor (`docs/formats.md`, "Donors").
+    fn donor(&self, node: usize, after: &[Op]) -> Option<usize> {
+        let donor = self.graph.nodes().get(node)?.donor?;
+        let mut frees = after.iter().map_while(|op| match *op {
+            Op::Free { value } => Some(value),
+            Op::Compute { .. } => None,
+        });
+        frees.any(|v| v == donor).then_some(donor)
+    }
+
+    /// Runs `node`, in the storage of `donor` if any; returns the memory it needs (outputs
+    /// allocated, plus its temporaries).
+    fn compute(
+        &mut self,
+        phase: Phase,
+        node: usize,
+        donor: Option<usize>,
+    ) -> std::result::Result<u64, String> {
         let graph = self.graph;
         let n = graph
             .nodes()
@@ -206,6 +230,10 @@ impl<'g, 'c> State<'g, 'c> {
         if replayed && first {
             self.states += state;
         }
+        if let Some(d) = donor {
+            self.make_dead(d);
+            self.donated[d] = true;
+        }
         n.outputs.iter().for_each(|&v| self.make_alive(v));
         self.runs[node] += 1;
         let height = self.bytes + n.temp_bytes;
@@ -223,6 +251,10 @@ impl<'g, 'c> State<'g, 'c> {
             .values()
             .get(value)
             .ok_or_else(|| format!("unknown value {value}"))?;
+        if self.donated[value] {
+            self.donated[value] = false; // its storage is the output of the node before
+            return Ok(());
+        }
         let why_not = if !self.alive[value] {
             Some("it is not alive")
         } else if v.kind == ValueKind::Tangent && phase == Phase::Forward {

@@ -191,7 +191,8 @@ impl<'a> Model<'a> {
         self.rows.push(e.leq(constant));
     }
 
-    /// `U[t][k] + temp(k) R[t][k] <= budget` for each group `k` that stage `t` may run, with
+    /// `U[t][k] + (temp(k) - donated(k)) R[t][k] <= budget` for each group `k` that stage `t` may
+    /// run (a donor storage holds the output, [`crate::graph::simplify::Group::donor`]), with
     /// `U[t][k] = U[t][k'] + R[t][k] out(k) - frees after k'` (`k'` the previous candidate) and
     /// `U` of the first candidate starting from the storages kept into the stage.
     fn add_memory(&mut self, t: usize) {
@@ -203,7 +204,9 @@ impl<'a> Model<'a> {
             self.memory.push((u, before.clone()));
             self.rows.push(Expression::from(u).geq(before));
             let mut peak = Expression::from(u);
-            self.r[t][k].add_to(&mut peak, self.bytes(self.sg.groups[k].temp_bytes));
+            let group = &self.sg.groups[k];
+            let extra = self.bytes(group.temp_bytes) - self.bytes(self.sg.donated_bytes(k));
+            self.r[t][k].add_to(&mut peak, extra);
             self.rows.push(peak.leq(1.0));
             before = Expression::from(u);
             if idx + 1 < candidates.len() {

@@ -89,11 +89,17 @@ impl Builder {
             time,
             temp_bytes: 0,
             random: false,
+            donor: None,
         });
     }
 
     pub fn set_temp(&mut self, node: usize, bytes: u64) {
         self.nodes[node].temp_bytes = bytes;
+    }
+
+    /// Names `donor` as the input whose storage `node` may write its output into.
+    pub fn set_donor(&mut self, node: usize, donor: usize) {
+        self.nodes[node].donor = Some(donor);
     }
 
     /// Sets the op name of `node` (by default `aten.` and its name).
@@ -173,6 +179,29 @@ pub fn batch_norm_like() -> Graph {
     let g1 = b.node("bbn", Phase::Backward, &[g2, bn[0], a0], &[1, 0], 1.0);
     b.output(g1[1], OutputKind::Grad);
     let gx = b.node("b0", Phase::Backward, &[g1[0], x], &[0], 1.0)[0];
+    b.output(gx, OutputKind::Grad);
+    b.build()
+}
+
+/// Two gradients of 100 B summed by `add` (node 4), which may write into the first (value 4):
+/// x → f0 → a (100 B) → f1 → y (10 B, forward output); backward b1(t, a) → g1, b2(t, x) → g2,
+/// add(g1, g2) → sum, b0(sum, x) → a gradient. Plain PyTorch's order peaks in `add` at 310 B
+/// (y, g1, g2 and the sum); where the sum takes g1's storage, at 220 B in `b1` and `b2`. With
+/// `donor`, `add` names g1 as its donor. Values: x=0, a=1, y=2, t=3, g1=4, g2=5, sum=6.
+pub fn gradient_sum(donor: bool) -> Graph {
+    let mut b = Builder::default();
+    let x = b.input("x");
+    let a = b.node("f0", Phase::Forward, &[x], &[100], 1.0)[0];
+    let y = b.node("f1", Phase::Forward, &[a], &[10], 1.0)[0];
+    b.output(y, OutputKind::Forward);
+    let t = b.tangent("t", 10);
+    let g1 = b.node("b1", Phase::Backward, &[t, a], &[100], 1.0)[0];
+    let g2 = b.node("b2", Phase::Backward, &[t, x], &[100], 1.0)[0];
+    let sum = b.node("add", Phase::Backward, &[g1, g2], &[100], 1.0)[0];
+    if donor {
+        b.set_donor(b.last_node(), g1);
+    }
+    let gx = b.node("b0", Phase::Backward, &[sum, x], &[0], 1.0)[0];
     b.output(gx, OutputKind::Grad);
     b.build()
 }

@@ -114,6 +114,7 @@ pub fn sub_problem(graph: &Graph, sg: &SimpleGraph, part: &Partition, b: usize) 
                 time: group.time,
                 temp_bytes: group.temp_bytes,
                 phase: group.phase,
+                donor: group.donor.and_then(|s| local_storage.get(&s).copied()),
             }
         })
         .collect();
@@ -174,7 +175,7 @@ fn canonical_key(graph: &Graph, sub: &SimpleGraph) -> String {
     for g in &sub.groups {
         let _ = write!(
             key,
-            "{}:{:?}:{:?}:{:?}:{};",
+            "{}:{:?}:{:?}:{:?}:{}:{:?};",
             g.reals
                 .iter()
                 .map(|&r| graph.node(r).target.as_str())
@@ -183,7 +184,8 @@ fn canonical_key(graph: &Graph, sub: &SimpleGraph) -> String {
             g.phase,
             g.inputs,
             g.outputs,
-            g.temp_bytes
+            g.temp_bytes,
+            g.donor
         );
     }
     for st in &sub.storages {
@@ -244,7 +246,7 @@ pub fn cost(sub: &SimpleGraph, plan: &OptionPlan, times: &[f64]) -> SequenceCost
     for (i, &g) in seq.iter().enumerate() {
         let group = &sub.groups[g];
         live += sub.output_bytes(g);
-        let peak = live + group.temp_bytes;
+        let peak = (live + group.temp_bytes).saturating_sub(sub.donated_bytes(g));
         for &s in &frees_after[i] {
             live -= sub.storages[s].bytes;
         }
@@ -324,7 +326,8 @@ fn own_profile(sub: &SubProblem, plan: &OptionPlan) -> OwnProfile {
             start = live;
         }
         live += made(g);
-        let peak = live + sg.groups[g].temp_bytes;
+        let donated = sg.groups[g].donor.map_or(0, |s| sub.context_bytes[s]);
+        let peak = (live + sg.groups[g].temp_bytes).saturating_sub(donated);
         live -= frees_after[i]
             .iter()
             .map(|&s| sub.context_bytes[s])
