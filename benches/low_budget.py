@@ -89,10 +89,20 @@ def _hf(model: nn.Module, ids: torch.Tensor, how: str) -> Case:
     return Case(model, (ids,), lambda out: out.logits.float().pow(2).mean(), lambda: model, how, switch)
 
 
-def _mamba() -> Case:
+def _mamba(associative_scan: bool) -> Case:
+    """HF Mamba. transformers runs its scan as a loop over the tokens, or where compiling (as
+    remat traces) with ``use_associative_scan`` (its default), as a parallel scan, whose backward
+    holds whole-sequence tensors: remat plans the parallel scan, eager PyTorch runs the loop."""
     from transformers import MambaConfig, MambaForCausalLM
 
-    config = MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=1024, state_size=16, use_cache=False)
+    config = MambaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        vocab_size=1024,
+        state_size=16,
+        use_cache=False,
+        use_associative_scan=associative_scan,
+    )
     model = MambaForCausalLM(config).train()
     return _hf(model, torch.randint(1024, (2, 48)), "gradient_checkpointing_enable, every layer")
 
@@ -148,7 +158,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2_12l": lambda: _gpt2(12),
     "gpt2_small": _gpt2_small,
     "llama": _llama,
-    "mamba": _mamba,
+    "mamba": lambda: _mamba(True),
+    "mamba_loop": lambda: _mamba(False),
     "convnext": _convnext,
     "resnet": _resnet,
     "encoder": _encoder,
