@@ -15,7 +15,7 @@ import warnings
 import pytest
 import remat
 import torch
-from helpers import assert_close_grads, run_step
+from helpers import Reference, assert_close_grads, run_step
 from remat import memory
 from remat.graph import JointGraph
 from remat.memory import CUDA_BLOCK, allocated_bytes
@@ -115,6 +115,40 @@ def test_gradients_summed_into_grad_are_gradients() -> None:
     again = remat.testing.measure_step(step, keep)
     assert first.peak_bytes < MIB and again.peak_bytes == first.peak_bytes, (first, again)
     assert again.peak_with_grads >= 4 * MIB
+
+
+class _ThreeReaders(nn.Module):
+    """``h`` read by three products with constant scales: the backward sums the three parts of its
+    gradient, and holds little else while it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 512)
+        self.register_buffer("scales", torch.rand(3, 512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * self.scales[0] + h * self.scales[1] + h * self.scales[2]
+
+
+@pytest.mark.parametrize("level", [1.0, 0.0])
+def test_a_sum_runs_in_the_storage_of_a_part_it_frees(level: float) -> None:
+    """The backward's sums of a gradient's parts name a donor (``docs/formats.md``, "Donors"), and
+    the eager backward runs them in place (``aten.add_``): gradients as plain PyTorch's, and the
+    step measured at its predicted peak, at plain PyTorch's peak and at the smallest budget."""
+    ref = Reference(lambda: (_ThreeReaders(), torch.randn(128, 64)))
+    probe = remat.Remat(ref.model, ref.sample, 1.0)
+    ref.check(probe)
+    budget = int(probe.plan.min_budget + level * (probe.plan.plain_peak - probe.plan.min_budget))
+    rm = remat.Remat(ref.model, ref.sample, budget)
+    ref.check(rm)
+    later = ref.check(rm)
+    g = rm._plan.graph
+    sums = [n for n in g.nodes if n.phase == "backward" and n.donor is not None]
+    assert any(n.fx_node.target is torch.ops.aten.add.Tensor for n in sums), [n.fx_node for n in sums]
+    calls = rm._plan.phases.backward.__globals__.values()
+    assert torch.ops.aten.add_.Tensor in calls
+    assert later.peak == rm.plan.schedule.predicted.step_peak_bytes <= budget
 
 
 def test_profiling_counts_dropouts_scratch_and_the_step_keeps_the_budget() -> None:
