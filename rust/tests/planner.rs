@@ -417,19 +417,8 @@ proptest! {
 /// with a schedule of its own (not the keep-set heuristic's).
 #[test]
 fn every_solver_plans_a_sum_in_its_donors_storage() {
-    let options = remat::testing::ilp::SolveOptions {
-        time_limit: 10.0,
-        mip_gap: 0.0,
-        recompute: remat::testing::recompute::Recompute::Anywhere,
-        saved_limit: None,
-        max_nodes: None,
-    };
-    let solve = |donor| {
-        let sg = remat::testing::simplify::simplify(&gradient_sum(donor));
-        remat::testing::ilp::solve(&sg, 220, options, None).unwrap()
-    };
-    assert!(solve(false).is_none());
-    assert!(solve(true).is_some());
+    assert!(ilp_time(&gradient_sum(false), 220, Recompute::Anywhere).is_none());
+    assert!(ilp_time(&gradient_sum(true), 220, Recompute::Anywhere).is_some());
     let below = plan(&gradient_sum(false), 220, &EXACT);
     assert!(matches!(below, Err(Error::Infeasible { .. })), "{below:?}");
     for solver in [Solver::Checkmate, Solver::Rockmate, Solver::Rotor] {
