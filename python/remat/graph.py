@@ -229,12 +229,18 @@ def accumulate_in_place(g: JointGraph) -> None:
 
 # Ops with an in-place form whose result is the same: per op, that form and the operands it may
 # write into (either of a sum or product, a sum's second only where it does not scale it; the
-# first of a difference or quotient).
+# first of a difference or quotient; the input of a one-input elementwise op).
 IN_PLACE_FORMS = {
     torch.ops.aten.add.Tensor: (torch.ops.aten.add_.Tensor, (0, 1)),
     torch.ops.aten.mul.Tensor: (torch.ops.aten.mul_.Tensor, (0, 1)),
     torch.ops.aten.sub.Tensor: (torch.ops.aten.sub_.Tensor, (0,)),
     torch.ops.aten.div.Tensor: (torch.ops.aten.div_.Tensor, (0,)),
+    torch.ops.aten.pow.Tensor_Scalar: (torch.ops.aten.pow_.Scalar, (0,)),
+    torch.ops.aten.clamp.default: (torch.ops.aten.clamp_.default, (0,)),
+    **{
+        getattr(torch.ops.aten, name).default: (getattr(torch.ops.aten, f"{name}_").default, (0,))
+        for name in "abs cos erf exp gelu log neg reciprocal relu rsqrt sigmoid silu sin sqrt tanh".split()
+    },
 }
 
 
