@@ -277,6 +277,34 @@ fn trivial_chains_are_fused_and_joins_are_not() {
     );
 }
 
+/// In a fused forward chain, a node writing over the output of the node before it (`f1`, donor
+/// `a`) holds one 30-byte tensor, not two: the group's temporary is 30 B (40 B at `f2`, less its
+/// 10-byte output) with the donor named, 50 B without. No forward group keeps a donor of its own:
+/// it may run again, its donor kept for that.
+#[test]
+fn a_fused_chain_counts_a_donor_made_inside_it() {
+    let temp = |donor: bool| {
+        let mut b = Builder::default();
+        let x = b.input("x");
+        let a = b.node("f0", Phase::Forward, &[x], &[30], 1.0)[0];
+        let v = b.node("f1", Phase::Forward, &[a], &[30], 1.0)[0];
+        if donor {
+            b.set_donor(b.last_node(), a);
+        }
+        let c = b.node("f2", Phase::Forward, &[v], &[10], 1.0)[0];
+        b.output(c, OutputKind::Forward);
+        let t = b.tangent("t", 1);
+        let gx = b.node("b0", Phase::Backward, &[t, x], &[0], 1.0)[0];
+        b.output(gx, OutputKind::Grad);
+        let g = b.build();
+        let sg = remat::testing::simplify::simplify(&g);
+        assert_eq!(group_names(&g, &sg)[0], ["f0", "f1", "f2"]);
+        assert!(sg.groups.iter().all(|grp| grp.donor.is_none()));
+        sg.groups[0].temp_bytes
+    };
+    assert_eq!((temp(true), temp(false)), (30, 50));
+}
+
 /// A group reading a tangent for the last time does not fuse into the next: the tangent dies
 /// after it (`b1` above; here `b2`, which reads it, as `b3` does not), and the solvers count it
 /// to that group's end.

@@ -173,16 +173,14 @@ pub fn simplify(graph: &Graph) -> SimpleGraph {
     sg
 }
 
-/// Sets [`Group::donor`] where a backward group (of one node: before fusion) has a donor storage
-/// only it reads.
+/// Sets [`Group::donor`] where a group (of one node: before fusion) has a donor storage only it
+/// reads. Fusion counts it where the group before in a chain makes it, and keeps it on backward
+/// groups only: a forward group may run again, its donor kept alive for that.
 fn mark_donors(graph: &Graph, sg: &mut SimpleGraph) {
     for g in 0..sg.groups.len() {
         let [real] = sg.groups[g].reals[..] else {
             continue;
         };
-        if sg.groups[g].phase != Phase::Backward {
-            continue;
-        }
         let Some(s) = graph.node(real).donor.and_then(|d| sg.storage_of(d)) else {
             continue;
         };
@@ -444,8 +442,11 @@ fn fuse_chains(sg: SimpleGraph, tangents: &[Vec<usize>]) -> SimpleGraph {
                 time: run.iter().map(|&g| sg.groups[g].time).sum(),
                 temp_bytes: peak - out_bytes.min(peak),
                 phase: sg.groups[end].phase,
-                // The first group's donor, an input of the run, dies as the run starts.
-                donor: sg.groups[run[0]].donor.and_then(|s| new_storage[s]),
+                // The first group's donor, an input of the run, dies as a backward run starts.
+                donor: sg.groups[run[0]]
+                    .donor
+                    .filter(|_| sg.groups[end].phase == Phase::Backward)
+                    .and_then(|s| new_storage[s]),
             }
         })
         .collect();
