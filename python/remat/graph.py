@@ -17,7 +17,7 @@ import torch.fx as fx
 from .capture import ACCUMULATES, Captured
 from .errors import CaptureError
 from .rng import state_bytes
-from .sizes import Sizes, is_size
+from .sizes import Sizes, is_size, symbolic
 
 SCHEMA_VERSION = 1
 
@@ -256,9 +256,15 @@ def mark_donors(g: JointGraph) -> None:
     outputs = {v for v, _ in g.outputs}
     grads = {v for v, kind in g.outputs if kind == "grad"}
 
+    metas: dict[int, tuple] = {}
+
     def meta(vid: int) -> tuple:
-        t = value_meta(g, g.values[vid])
-        return str(t.shape), str(t.stride()), t.dtype, t.device
+        """Shape, strides, dtype and device, a symbolic size as its expression (once per value)."""
+        if vid not in metas:
+            t = value_meta(g, g.values[vid])
+            layout = [x.node.expr if symbolic(x) else x for x in (*t.shape, *t.stride())]
+            metas[vid] = t.dim(), *layout, t.dtype, t.device
+        return metas[vid]
 
     def can_give(vid: int, out: int) -> bool:
         v = g.values[vid]

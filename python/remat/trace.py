@@ -13,7 +13,7 @@ from . import ranks
 from .amp import no_autocast
 from .boundary import Outside, copy_profile
 from .capture import capture, flatten_inputs
-from .graph import JointGraph, accumulate_in_place, build_graph, mark_donors
+from .graph import JointGraph, accumulate_in_place, build_graph
 from .profile import estimate, profile
 from .progress import stage
 
@@ -38,7 +38,6 @@ def captured(
         g = build_graph(capture(model, args, kwargs, compiled, dynamic), type(model).__name__)
         estimate(g)
         accumulate_in_place(g)
-        mark_donors(g)
     return g
 
 
@@ -70,7 +69,6 @@ def profiled(
     if key is not None:
         _use_measured(g, json.loads(ranks.agreed("profile", key, lambda: json.dumps(_measured(g)))))
     accumulate_in_place(g)
-    mark_donors(g)
 
 
 def _measured(g: JointGraph) -> dict[str, list]:
