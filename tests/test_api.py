@@ -226,6 +226,30 @@ def test_an_op_running_a_graph_of_its_own_raises_capture_error_by_name() -> None
         remat.Remat(Branching(), torch.randn(2, 4), 0.5)
 
 
+@torch.library.custom_op("remat_test::traced_only", mutates_args=())
+def _traced_only(x: torch.Tensor) -> torch.Tensor:
+    """An op whose traced form (its fake) differs from its real one, which raises."""
+    raise RuntimeError("this kernel runs only as a fake")
+
+
+_traced_only.register_fake(lambda x: torch.empty_like(x))
+_traced_only.register_autograd(lambda ctx, grad: grad)
+
+
+class TracedOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _traced_only(self.lin(x)).relu()
+
+
+def test_an_op_that_fails_on_real_tensors_raises_capture_error_naming_it() -> None:
+    with pytest.raises(remat.CaptureError, match=r"traced_only.* fails on real tensors .*this kernel runs only"):
+        remat.Remat(TracedOnly(), torch.randn(2, 4), None)
+
+
 def test_bad_arguments_raise_value_errors() -> None:
     model, sample = mlp()
     with pytest.raises(ValueError, match="solver"):

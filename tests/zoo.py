@@ -416,6 +416,12 @@ def gru() -> Case:
     return _classifier(RNNClassifier(nn.GRU), torch.randn(8, 12, 32), 8)
 
 
+def lstm() -> Case:
+    """nn.LSTM (1 layer, hidden 64) on 8 sequences of 12 steps, then a linear classifier: traced
+    step by step, not as oneDNN's fused layer (``capture``)."""
+    return _classifier(RNNClassifier(nn.LSTM), torch.randn(8, 12, 32), 8)
+
+
 class Fusion(nn.Module):
     """An image branch (conv) and a token branch (embedding bag) concatenated into a classifier."""
 
@@ -488,19 +494,6 @@ ZOO: dict[str, Callable[[], Case]] = {
     "conv1d": conv1d,
     "two_heads": two_heads,
     "gru": gru,
+    "lstm": lstm,
     "fusion": fusion,
 }
-
-
-# Not capturable (each raises at ``remat.Remat(model, sample, None)``):
-#   lstm:        CaptureError: the captured graph's node mkldnn_rnn_layer_backward (...) fails on real tensors
-#                (RuntimeError: Expected a proper Tensor but got None ... for argument #22 'workspace'); ...
-#                aten.mkldnn_rnn_layer's workspace is a size-0 tensor when traced and undefined when run.
-
-
-def lstm() -> Case:
-    """nn.LSTM (1 layer, hidden 64) on 8 sequences of 12 steps, then a linear classifier."""
-    return _classifier(RNNClassifier(nn.LSTM), torch.randn(8, 12, 32), 8)
-
-
-NOT_CAPTURABLE: dict[str, Callable[[], Case]] = {"lstm": lstm}
