@@ -10,6 +10,7 @@ import pytest
 import remat
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 VOCAB = 256
@@ -219,3 +220,44 @@ def test_named_dimensions_and_bounds(caplog: pytest.LogCaptureFixture) -> None:
 def test_bad_dynamic_dimensions_name_the_fix(dynamic, match: str) -> None:
     with pytest.raises(remat.ArgumentError, match=match):
         remat.Remat(_gpt2(), _call(_tokens(16), False), 0.5, dynamic=dynamic)
+
+
+class LogScan(nn.Module):
+    """A prefix sum over the sequence in doubling steps, as a parallel scan runs: the number of
+    steps follows the length, so a graph traced at 48 holds for lengths 33 to 64 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, step = self.inp(x).tanh(), 1
+        while step < h.shape[1]:
+            h = h + F.pad(h[:, :-step], (0, 0, step, 0)).sin()
+            step *= 2
+        return self.out(h)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.6])
+def test_a_graph_that_holds_for_a_range_of_lengths_is_planned_within_it(share: float) -> None:
+    """Plans at smaller lengths, and the lengths where the model runs itself, stay at or above
+    the smallest length the graph holds for; a shorter call, which the graph does not hold for,
+    gets its own plan. At the plain plan (1.0) and one that recomputes (0.6)."""
+    torch.manual_seed(0)
+    model = LogScan()
+
+    def step(runner, length: int) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        runner(torch.randn(4, length, 16, generator=torch.Generator().manual_seed(length))).pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    x = torch.randn(4, 48, 16)
+    plain = remat.testing.measure_step(lambda: step(model, 48), [*model.parameters(), x]).peak_bytes
+    rm = remat.Remat(model, x, int(share * plain), dynamic={0: {1: None}})
+    assert rm._current.sizes.floor == (33,)
+    for length in (48, 40, 34, 20):
+        torch.testing.assert_close(step(rm, length), step(model, length))
+    assert len(rm._plans) == 2  # 48's graph serves 40 and 34; 20 has its own
+    top = next(p for p in rm._plans.values() if p.sizes.bound == (48,)).plan
+    smaller = [] if top.levels is None else [level.values for level in top.levels.levels]
+    assert all(values[0] >= 33 for values in [*smaller, *(top.fitting or [])]), (smaller, top.fitting)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import nn
@@ -251,7 +252,15 @@ def _sizes(gm: fx.GraphModule, tensors: list[torch.Tensor], fakes: list, shape_e
         sources.append(found[0])
     bound = tuple(int(tensors[i].shape[d]) for i, d in sources)
     guards = shape_env.produce_guards_expression(fakes, ignore_static=False)
-    return Sizes(tuple(symbols), tuple(sources), bound, guards, shape_env)
+    floor = tuple(_smallest_value(shape_env, sym) for sym in symbols)
+    return Sizes(tuple(symbols), tuple(sources), bound, floor, guards, shape_env)
+
+
+def _smallest_value(shape_env: Any, sym: Any) -> int:
+    """The smallest value of a size symbol that tracing's guards allow (2: sizes 0 and 1 are
+    traced apart)."""
+    low = shape_env.var_to_range[sym].lower
+    return max(2, int(low)) if isinstance(low, sympy.Integer) else 2  # not -oo
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ loss that does not grow with its outputs.
 
 The levels are values of one symbol at a time, the others at their bound: the bound divided by
 ``STEP`` again and again, down to the largest value at which plain PyTorch's step fits the
-budget (whose plan is plain, and serves every smaller call), or ``SMALLEST`` of the bound. A call
+budget (whose plan is plain, and serves every smaller call), or ``SMALLEST`` of the bound, or the
+symbol's floor (``Sizes.floor``), below which the graph does not hold. A call
 runs the plan of least predicted time among the levels at or above its values in every symbol.
 """
 
@@ -68,12 +69,18 @@ def loss_ratio(g: JointGraph, values: tuple[int, ...]) -> float:
     return sum(sizes.at(e, values) for e in exprs) / top if top else 1.0
 
 
+def smallest(sizes: Sizes) -> tuple[int, ...]:
+    """Each symbol's smallest value planned for: ``SMALLEST`` of its bound, and not below its
+    floor (``Sizes.floor``), where the graph stops holding."""
+    return tuple(max(2, math.ceil(b * SMALLEST), f) for b, f in zip(sizes.bound, sizes.floor))
+
+
 def chains(sizes: Sizes) -> list[list[tuple[int, ...]]]:
     """For each symbol, the levels below the bound along it, largest first (``STEP``,
     ``SMALLEST``); the other symbols at their bound."""
     out = []
-    for i, top in enumerate(sizes.bound):
-        chain, value, lowest = [], top, max(2, math.ceil(top * SMALLEST))
+    for i, (top, lowest) in enumerate(zip(sizes.bound, smallest(sizes))):
+        chain, value = [], top
         while value > lowest:
             value = max(min(math.ceil(value / STEP), value - 1), lowest)
             chain.append(tuple(value if j == i else b for j, b in enumerate(sizes.bound)))

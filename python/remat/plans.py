@@ -576,7 +576,7 @@ def measure_fitting(plan: Plan, sample: Sample, measured_loss: int) -> list[tupl
     def guess(values: tuple[int, ...], i: int, low: int, high: int, ratio: float) -> int | None:
         return largest_fitting(low, high, lambda v: predict(_with_value(values, i, v)) * ratio <= plan.budget)
 
-    lowest = tuple(max(2, math.ceil(b * levels.SMALLEST)) for b in bound)
+    lowest = () if g.sizes is None else levels.smallest(g.sizes)
     fitting = plain.fitting_sizes(points, measure, guess, lowest)
     if g.sizes is None:
         where = "at its shape" if fitting else "nowhere"

@@ -7,8 +7,10 @@ every call whose shapes satisfy the guards tracing recorded (``ShapeEnv``): stat
 equal, dimensions that shared a symbol equal, sizes 0 and 1 apart. ``Sizes`` checks a call's
 tensors against them and evaluates the expressions for the call's values of the symbols.
 
-The symbols' *bound* is the largest value a plan serves; ``at(x)`` evaluates at the bound,
-``at(x, values)`` at other values.
+The symbols' *bound* is the largest value a plan serves, and their *floor* the smallest value the
+guards allow (a graph whose ops depend on a size's number of bits, such as a scan in log-many
+steps, holds for one power-of-two range only); ``at(x)`` evaluates at the bound, ``at(x, values)``
+at other values.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Sizes:
     symbols: tuple[sympy.Symbol, ...]
     sources: tuple[tuple[int, int], ...]  # (flat input tensor, dimension) each symbol is read from
     bound: tuple[int, ...]  # each symbol's largest value a plan serves
+    floor: tuple[int, ...]  # each symbol's smallest value the graph holds for
     guards: Any  # the shape environment's guards over the inputs, compiled (``ShapeEnv``)
     shape_env: Any
     exprs: list[sympy.Expr] = field(default_factory=list)  # what ``evaluate`` returns, in order
