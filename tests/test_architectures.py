@@ -64,3 +64,38 @@ def test_dropout_backward_on_a_transposed_gradient() -> None:
     rm = remat.Remat(ref.model, ref.sample, (probe.plan.min_budget + probe.plan.plain_peak) // 2)
     step = ref.check(rm)
     assert step.peak <= rm.plan.budget + OUTSIDE_MODEL_SLACK
+
+
+class _Stacked(nn.Module):
+    """A recurrent stack with dropout between its layers, fed an initial state."""
+
+    def __init__(self, rnn: nn.RNNBase) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layers = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        batch = x.shape[0 if self.rnn.batch_first else 1]
+        h = x.new_ones(layers, batch, self.rnn.proj_size or self.rnn.hidden_size)
+        state = (h, x.new_ones(layers, batch, self.rnn.hidden_size)) if isinstance(self.rnn, nn.LSTM) else h
+        out, final = self.rnn(x, state)
+        return (out, *final) if isinstance(final, tuple) else (out, final)
+
+
+@pytest.mark.parametrize(
+    "rnn",
+    [
+        lambda: nn.LSTM(8, 12, num_layers=3, dropout=0.3, proj_size=6),
+        lambda: nn.GRU(8, 12, num_layers=2, dropout=0.3, bidirectional=True, batch_first=True),
+        lambda: nn.RNN(8, 12, num_layers=2, dropout=0.3, nonlinearity="relu"),
+    ],
+    ids=["lstm_projected", "gru_bidirectional", "rnn_relu"],
+)
+def test_stacked_recurrences_draw_the_dropout_between_their_layers(rnn) -> None:
+    """A stack of recurrent layers in training drops out each layer's output but the last, as
+    eager PyTorch draws it (torch's step-by-step decomposition, which capture traces, leaves that
+    dropout out): the same outputs and gradients."""
+    ref = Reference(lambda: (_Stacked(rnn()), torch.randn(4, 5, 8)))
+    rm = remat.Remat(ref.model, ref.sample, None)
+    assert any("dropout" in str(n.target) for n in rm._plan.graph.captured.gm.graph.nodes)
+    ref.check(rm)

@@ -7,6 +7,7 @@ calling it, so the weights, the sample and the loss's targets are fixed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -402,10 +403,10 @@ def two_heads() -> Case:
 class RNNClassifier(nn.Module):
     """A recurrent layer over a sequence of feature vectors, classified from its last output."""
 
-    def __init__(self, rnn: type[nn.Module] = nn.GRU, features: int = 32, hidden: int = 64) -> None:
+    def __init__(self, rnn: Callable[..., nn.Module] = nn.GRU, features: int = 32, hidden: int = 64, outputs: int = 0):
         super().__init__()
         self.rnn = rnn(features, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, 10)
+        self.head = nn.Linear(outputs or hidden, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(x)[0][:, -1])
@@ -417,9 +418,11 @@ def gru() -> Case:
 
 
 def lstm() -> Case:
-    """nn.LSTM (1 layer, hidden 64) on 8 sequences of 12 steps, then a linear classifier: traced
-    step by step, not as oneDNN's fused layer (``capture``)."""
-    return _classifier(RNNClassifier(nn.LSTM), torch.randn(8, 12, 32), 8)
+    """nn.LSTM (2 bidirectional layers, hidden 32, dropout 0.1 between them) on 8 sequences of 12
+    steps, then a linear classifier: traced step by step, not as oneDNN's fused layer
+    (``remat.recurrences``)."""
+    rnn = functools.partial(nn.LSTM, num_layers=2, bidirectional=True, dropout=0.1)
+    return _classifier(RNNClassifier(rnn, hidden=32, outputs=64), torch.randn(8, 12, 32), 8)
 
 
 class Fusion(nn.Module):

@@ -22,7 +22,7 @@ from torch import nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
-from . import blocks, tree
+from . import blocks, recurrences, tree
 from .errors import CaptureError
 from .sizes import Sizes, free_symbols, is_size
 
@@ -140,7 +140,7 @@ def _joint(
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(compiling())
-            stack.enter_context(_recurrences_step_by_step())
+            stack.enter_context(recurrences.traced_step_by_step())
             stack.enter_context(blocks.shortened(model, found))
             if dynamic is not None:
                 fakes, shape_env = _symbolic_inputs(tensors, dynamic)
@@ -273,21 +273,6 @@ def compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = old
-
-
-@contextlib.contextmanager
-def _recurrences_step_by_step() -> Iterator[None]:
-    """``nn.LSTM`` on CPU is traced step by step (matmuls and pointwise ops), as its decomposition
-    traces it on other devices, and not as oneDNN's fused layer: ``aten.mkldnn_rnn_layer`` keeps a
-    workspace that is empty when traced and undefined when run, so its backward fails on real
-    tensors. The decomposition reads oneDNN's flag, which nothing else traced reads: convolutions
-    choose their kernels when they run."""
-    old = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(old)
 
 
 def _sum_tied_grads(model: nn.Module, gm: fx.GraphModule, outputs: list, bindings: list[OutputBinding]) -> None:
