@@ -8,7 +8,7 @@ import warnings
 import pytest
 import remat
 import torch
-from helpers import budget_at, call, default_loss, trace_once
+from helpers import Reference, budget_at, call, default_loss, trace_once
 from models import cnn, gpt2, mlp, unet
 from torch import nn
 
@@ -248,6 +248,31 @@ class TracedOnly(nn.Module):
 def test_an_op_that_fails_on_real_tensors_raises_capture_error_naming_it() -> None:
     with pytest.raises(remat.CaptureError, match=r"traced_only.* fails on real tensors .*this kernel runs only"):
         remat.Remat(TracedOnly(), torch.randn(2, 4), None)
+
+
+class SharedSubmodule(nn.Module):
+    """One linear layer inside two blocks and at the top: its parameters under three names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(self.enc, nn.ReLU()), nn.Sequential(self.enc, nn.Tanh())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_shared_submodule_keeps_its_parameters_through_capture() -> None:
+    """Capture leaves the model's parameters as they were (tracing swaps its own in and back by
+    name, and a module under several names kept one of them), and a step sums the gradient of
+    the shared weight over its uses, as plain PyTorch does."""
+    ref = Reference(lambda: (SharedSubmodule(), torch.randn(4, 8)))
+    weight = ref.model.enc.weight
+    rm = remat.Remat(ref.model, ref.sample, None)
+    assert ref.model.enc.weight is weight and ref.model.blocks[1][0].weight is weight
+    ref.check(rm)
 
 
 def test_bad_arguments_raise_value_errors() -> None:

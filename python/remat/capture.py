@@ -139,6 +139,7 @@ def _joint(
     fakes = None
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_state_kept(model))
             stack.enter_context(compiling())
             stack.enter_context(recurrences.traced_step_by_step())
             stack.enter_context(blocks.shortened(model, found))
@@ -261,6 +262,22 @@ def _smallest_value(shape_env: Any, sym: Any) -> int:
     traced apart)."""
     low = shape_env.var_to_range[sym].lower
     return max(2, int(low)) if isinstance(low, sympy.Integer) else 2  # not -oo
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """The model's parameters and buffers after tracing are the ones before: tracing swaps in
+    tensors of its own and back by name, and a module reachable under several names (a shared
+    submodule, such as CoaT's position encoders) kept one of the swapped-in tensors (torch 2.15)."""
+    before = [(m._parameters, dict(m._parameters)) for m in model.modules()]
+    before += [(m._buffers, dict(m._buffers)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for store, tensors in before:
+            for name, t in tensors.items():
+                if store.get(name) is not t:
+                    store[name] = t
 
 
 @contextlib.contextmanager
