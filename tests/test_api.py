@@ -250,6 +250,20 @@ def test_an_op_that_fails_on_real_tensors_raises_capture_error_naming_it() -> No
         remat.Remat(TracedOnly(), torch.randn(2, 4), None)
 
 
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lin = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.lin, self.inp(x), use_reentrant=True).relu()
+
+
+def test_a_model_checkpointing_with_reentrant_autograd_raises_capture_error_with_the_fix() -> None:
+    with pytest.raises(remat.CaptureError, match=r"use_reentrant=True.*gradient_checkpointing_disable\(\)"):
+        remat.Remat(ReentrantCheckpoint(), torch.randn(2, 4), 0.5)
+
+
 class SharedSubmodule(nn.Module):
     """One linear layer inside two blocks and at the top: its parameters under three names."""
 

@@ -151,9 +151,7 @@ def _joint(
     except Exception as exc:  # torch raises many types; the user needs to know it was capture
         raise CaptureError(
             f"could not capture {type(model).__name__} as a joint forward+backward graph "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the model "
-            "must be traceable by torch.compile's AOTAutograd without graph breaks "
-            "(no data-dependent Python control flow on tensor values)"
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); {_capture_fix(exc)}"
         ) from exc
     if flat.out_spec is None:
         raise CaptureError(f"{type(model).__name__} produced no output during capture")
@@ -171,6 +169,20 @@ def _joint(
             raise blocks.NotAlike(f"{type(exc).__name__}: {exc}") from exc
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return gm, placeholders, [bindings[n] for n in placeholders], outputs, output_bindings, flat.out_spec, sizes
+
+
+def _capture_fix(exc: Exception) -> str:
+    """What to change where tracing the model failed with ``exc``."""
+    if "use_reentrant=True" in str(exc):
+        return (
+            "the model checkpoints with use_reentrant=True, which tracing cannot differentiate, and remat "
+            "chooses what to recompute itself: turn the model's checkpointing off (transformers: "
+            "model.gradient_checkpointing_disable()) or make it non-reentrant (use_reentrant=False)"
+        )
+    return (
+        "the model must be traceable by torch.compile's AOTAutograd without graph breaks "
+        "(no data-dependent Python control flow on tensor values)"
+    )
 
 
 # Namespaces of the ops that communicate with other processes.
