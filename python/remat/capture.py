@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from . import blocks, recurrences, tree
 from .errors import CaptureError
+from .layout import obeys_layout
 from .sizes import Sizes, free_symbols, is_size
 
 log = logging.getLogger("remat")
@@ -118,6 +119,7 @@ def capture(
     _check_no_collectives(gm, type(model).__name__)
     _check_no_function_graphs(gm, type(model).__name__)
     _sum_tied_grads(model, gm, outputs, output_bindings)
+    _grads_in_param_layout(model, gm, outputs, output_bindings)
     _drop_running_stats_from_batch_norm_backward(gm)
     _views_as_reshapes(gm)
     gm = _LazyGraphModule.from_graphmodule(gm)  # the passes edited the graph: code only if read
@@ -396,6 +398,38 @@ def _dropout_from_its_mask(gm: fx.GraphModule) -> None:
         scaled.meta = {**tag, "val": drawn}
         out.replace_all_uses_with(scaled)
         gm.graph.erase_node(out)
+
+
+def _grads_in_param_layout(model: nn.Module, gm: fx.GraphModule, outputs: list, bindings: list[OutputBinding]) -> None:
+    """A parameter's gradient traced in other strides than the parameter's (taken through a
+    permuted weight; a strided convolution's weight gradient, channels-last on CPU) is copied
+    into them by a node of the graph (``aten.clone``), which the plan places and counts like
+    any other: ``AccumulateGrad`` would copy it when the backward returns, and the original,
+    alive until then, is no ``.grad`` but activation memory. A parameter in neither the
+    contiguous nor a channels-last layout keeps its gradient as traced (``remat.layout``)."""
+    from torch._guards import detect_fake_mode
+
+    for i, b in enumerate(bindings):
+        if b.kind != "grad" or b.grad_of != "param" or outputs[i] is None:
+            continue
+        grad, param = outputs[i].meta.get("val"), model.get_parameter(b.target)
+        if grad is None or obeys_layout(grad, tuple(param.shape), param.stride()):
+            continue
+        layout = _memory_format(param)
+        if layout is None:
+            continue
+        with gm.graph.inserting_after(outputs[i]):
+            copy = gm.graph.call_function(torch.ops.aten.clone.default, (outputs[i],), {"memory_format": layout})
+        with detect_fake_mode([grad]):
+            copy.meta = {**outputs[i].meta, "val": grad.clone(memory_format=layout)}
+        outputs[i] = copy
+
+
+def _memory_format(param: torch.Tensor) -> torch.memory_format | None:
+    """The memory format whose strides ``param`` has, where one has them."""
+    formats = [torch.contiguous_format]
+    formats += [torch.channels_last] if param.dim() == 4 else [torch.channels_last_3d] if param.dim() == 5 else []
+    return next((f for f in formats if param.is_contiguous(memory_format=f)), None)
 
 
 def _position(gm: fx.GraphModule, node: fx.Node) -> int:

@@ -2,9 +2,10 @@
 
 ``AccumulateGrad`` steals a gradient as the parameter's ``.grad`` only when its strides match the
 parameter's (dimensions of size 1 aside); otherwise it copies it into the parameter's layout
-(a convolution's weight gradient can come out channels-last). Plain PyTorch copies it as soon as
-it is computed; the executor does the same inside the backward phase, so the original dies at
-once, and the planner counts the copy as a temporary of the node that makes the gradient.
+(a convolution's weight gradient can come out channels-last). Capture copies a gradient whose
+traced strides differ in the graph (``capture._grads_in_param_layout``); one that still differs
+when it runs, the executor copies inside the backward phase, so the original dies at once, and
+profiling counts the copy as a temporary of the node that makes the gradient.
 """
 
 from __future__ import annotations
