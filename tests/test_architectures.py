@@ -125,3 +125,28 @@ def test_a_gradient_in_other_strides_than_its_parameter_is_counted_until_copied(
         ref.check(rm)
         step = ref.check(rm)
         assert step.peak <= rm.plan.budget + OUTSIDE_MODEL_SLACK, (budget, step.peak)
+
+
+class _DropPath(nn.Module):
+    """Blocks skipped at random per sample (stochastic depth): a draw with a ``device`` keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            keep = (torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device) < 0.8).to(x.dtype)
+            x = x + block(x) * keep / 0.8
+        return x
+
+
+def test_a_random_op_with_a_device_keyword_draws_the_same_numbers_again() -> None:
+    """At the smallest budget the plan draws the blocks' masks again, from the generator's state
+    saved at their first draw: the same outputs and gradients as plain PyTorch."""
+    ref = Reference(lambda: (_DropPath(), torch.randn(64, 32)))
+    probe = remat.Remat(ref.model, ref.sample, None)
+    rm = remat.Remat(ref.model, ref.sample, probe.plan.min_budget)
+    g, runs = rm._plan.graph, rm.plan.schedule.runs()
+    assert any(g.nodes[n].random and count > 1 for n, count in runs.items())
+    ref.check(rm)

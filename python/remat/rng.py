@@ -24,7 +24,7 @@ def rng_state_bytes(device: str, saved: int) -> int:
     return state_bytes(device) * (saved + 1) if saved else 0
 
 
-def run_with_rng_state(state: torch.Tensor, device: str, op, *args, **kwargs):
+def run_with_rng_state(state: torch.Tensor, device: str, op, /, *args, **kwargs):
     """Run ``op`` with the generator of ``device`` set to ``state``, then restore it."""
     if device.startswith("cuda"):
         dev = torch.device(device)
