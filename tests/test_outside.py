@@ -12,7 +12,7 @@ import warnings
 import pytest
 import remat
 import torch
-from helpers import assert_close_grads
+from helpers import Reference, assert_close_grads, budget_of
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -272,3 +272,34 @@ def test_an_output_gradient_the_caller_keeps_is_planned_as_held() -> None:
     rm, peak, gradient = _wide_trunk_steps(keep_gradient=True)
     assert rm.plan.outside.held_bytes >= gradient
     assert peak <= rm.plan.budget, (peak, rm.plan.budget)
+
+
+class _PooledFirstToken(nn.Module):
+    """Its hidden states and, as a second output, a view of them: the first token of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.layers(x).tanh()
+        return {"hidden": h, "pooled": h[:, 0]}
+
+
+@pytest.mark.parametrize("reads", ["pooled", "both"])
+@pytest.mark.parametrize("level", [None, 0.5])
+def test_a_loss_on_an_output_that_views_another_gets_its_gradients(reads: str, level: float | None) -> None:
+    """An output that views another (a ViT's pooled output) has no tangent of its own in the
+    traced graph: its gradient goes into the viewed output's, as autograd's view machinery
+    puts it, so a loss reading it, alone or with the other, gets plain PyTorch's gradients."""
+
+    def loss(out):
+        pooled = out["pooled"].pow(2).sum()
+        return pooled if reads == "pooled" else pooled + out["hidden"].sin().sum()
+
+    ref = Reference(lambda: (_PooledFirstToken(), torch.randn(8, 32, 64)), loss_fn=loss)
+    budget = None if level is None else budget_of(remat.Remat(ref.model, ref.sample, None), level)
+    rm = remat.Remat(ref.model, ref.sample, budget)
+    ref.check(rm)
+    step = ref.check(rm)
+    assert step.grads and all(g.abs().sum() > 0 for g in step.grads.values())

@@ -55,6 +55,7 @@ class Step(torch.autograd.Function):
         del result
         outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        ctx.views = _views_of_outputs(g, outs)
         measure = plan.measure
         ctx.window = measure.open(outs[0].device) if measure is not None and measure.wanted() else None
         return tuple(outs)
@@ -62,14 +63,17 @@ class Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
         grad_outputs = ctx.grads.give(grad_outputs)
+        seen = _views_as_viewed(grad_outputs, ctx.views)  # which outputs the loss differentiates
         plan: RunsPlan = ctx.plan
         g, phases = plan.graph, ctx.phases
         if ctx.window is not None:
-            plan.measure.close(ctx.window, grad_outputs, plan, ctx.values)
+            plan.measure.close(ctx.window, seen, plan, ctx.values)
             ctx.window = None
         elif plan.measure is not None:
-            plan.measure.learn_outputs(grad_outputs)
-        got = frozenset(i for i, grad in enumerate(grad_outputs) if grad is not None)
+            plan.measure.learn_outputs(seen)
+        got = frozenset(i for i, grad in enumerate(seen) if grad is not None)
+        del seen
+        grad_outputs = _views_folded(grad_outputs, ctx.views)
         if got & g.gradients_not_computed_from:
             outputs = ", ".join(map(str, sorted(got & g.gradients_not_computed_from)))
             raise RematError(
@@ -124,6 +128,70 @@ def input_grads(g: JointGraph) -> list[tuple[int, int, frozenset[int]]]:
         for o, b in zip(c.outputs, c.output_bindings)
         if b.kind == "grad" and o is not None
     ]
+
+
+# Where an output views another: the viewing output's index, and for the storage (its number of
+# elements, dtype, device), the size, stride and offset of the viewed output and of the view.
+_Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
+_View = tuple[int, tuple[int, torch.dtype, torch.device], int, _Geometry, _Geometry]
+
+
+def _views_of_outputs(g: JointGraph, outs: list[torch.Tensor]) -> list[_View]:
+    """The outputs that view the storage of another output and have no tangent of their own:
+    AOTAutograd makes such an output from the other one and leaves its gradient to autograd's
+    view machinery (a ViT's pooled output, the first token of its last hidden state), while
+    ``Step`` hands the two out as separate outputs, so :func:`_views_folded` adds its gradient
+    into the other's (the loss's measurement sees it there: :func:`_views_as_viewed`)."""
+    tangents = sorted(b.target for b in g.captured.bindings if b.kind == "tangent")
+    found: list[_View] = []
+    for i, t in enumerate(outs):
+        if i in tangents or not t.is_floating_point():
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        base = next((j for j in tangents if outs[j].untyped_storage().data_ptr() == ptr), None)
+        if base is None:
+            continue
+        b = outs[base]
+        storage = (b.untyped_storage().nbytes() // b.element_size(), b.dtype, b.device)
+        geometry = [(tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (b, t)]
+        found.append((i, storage, base, *geometry))
+    return found
+
+
+def _views_as_viewed(grads: tuple, views: list[_View]) -> tuple:
+    """``grads`` with each viewing output's gradient in the place of its viewed output's, where
+    that has none: the outputs whose gradients the backward phase computes from."""
+    if not views:
+        return grads
+    grads = list(grads)
+    for i, _, base, *_ in views:
+        if grads[base] is None:
+            grads[base] = grads[i]
+        grads[i] = None
+    return tuple(grads)
+
+
+def _views_folded(grads: tuple, views: list[_View]) -> tuple:
+    """``grads`` with each viewing output's gradient added into its viewed output's, in a
+    zeroed storage of the viewed one's geometry, as autograd sums a view's gradient into its
+    base's."""
+    if not views or all(grads[i] is None for i, *_ in views):
+        return grads
+    grads = list(grads)
+    folded: dict[int, torch.Tensor] = {}  # viewed output -> the storage of its summed gradient
+    for i, (numel, dtype, device), base, (shape, stride, offset), view in views:
+        if grads[i] is None:
+            continue
+        if base not in folded:
+            folded[base] = torch.zeros(numel, dtype=dtype, device=device)
+            if grads[base] is not None:
+                folded[base].as_strided(shape, stride, offset).add_(grads[base])
+        folded[base].as_strided(*view).add_(grads[i])
+        grads[i] = None
+    for base, storage in folded.items():
+        shape, stride, offset = next(v[3] for v in views if v[2] == base)
+        grads[base] = storage.as_strided(shape, stride, offset)
+    return tuple(grads)
 
 
 def _user_outputs(g: JointGraph):
