@@ -264,6 +264,21 @@ def test_a_model_checkpointing_with_reentrant_autograd_raises_capture_error_with
         remat.Remat(ReentrantCheckpoint(), torch.randn(2, 4), 0.5)
 
 
+class PackedSequences(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0]
+
+
+def test_an_op_whose_output_shape_depends_on_values_raises_capture_error_with_the_fix() -> None:
+    with pytest.raises(remat.CaptureError, match=r"_pack_padded_sequence.*output shape depends on tensor values.*pad"):
+        remat.Remat(PackedSequences(), (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])), 0.5)
+
+
 class SharedSubmodule(nn.Module):
     """One linear layer inside two blocks and at the top: its parameters under three names."""
 

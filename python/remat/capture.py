@@ -181,6 +181,12 @@ def _capture_fix(exc: Exception) -> str:
             "chooses what to recompute itself: turn the model's checkpointing off (transformers: "
             "model.gradient_checkpointing_disable()) or make it non-reentrant (use_reentrant=False)"
         )
+    if type(exc).__name__ == "DynamicOutputShapeException":
+        return (
+            "an op's output shape depends on tensor values (packed sequences, nonzero, boolean masks as "
+            "indices), which a traced graph cannot hold: compute at fixed shapes (pad, and mask what is padding), "
+            "or wrap only the modules without such ops"
+        )
     return (
         "the model must be traceable by torch.compile's AOTAutograd without graph breaks "
         "(no data-dependent Python control flow on tensor values)"
