@@ -67,7 +67,7 @@ def test_dropout_backward_on_a_transposed_gradient() -> None:
 
 
 class _Stacked(nn.Module):
-    """A recurrent stack with dropout between its layers, fed an initial state."""
+    """A recurrent layer or stack fed an initial state, returning its output and final states."""
 
     def __init__(self, rnn: nn.RNNBase) -> None:
         super().__init__()
@@ -88,16 +88,20 @@ class _Stacked(nn.Module):
         lambda: nn.LSTM(8, 12, num_layers=3, dropout=0.3, proj_size=6),
         lambda: nn.GRU(8, 12, num_layers=2, dropout=0.3, bidirectional=True, batch_first=True),
         lambda: nn.RNN(8, 12, num_layers=2, dropout=0.3, nonlinearity="relu"),
+        lambda: nn.LSTM(8, 12),
     ],
-    ids=["lstm_projected", "gru_bidirectional", "rnn_relu"],
+    ids=["lstm_projected", "gru_bidirectional", "rnn_relu", "lstm_one_layer"],
 )
-def test_stacked_recurrences_draw_the_dropout_between_their_layers(rnn) -> None:
+def test_recurrences_give_eager_outputs_final_states_and_dropout(rnn) -> None:
     """A stack of recurrent layers in training drops out each layer's output but the last, as
-    eager PyTorch draws it (torch's step-by-step decomposition, which capture traces, leaves that
-    dropout out): the same outputs and gradients."""
-    ref = Reference(lambda: (_Stacked(rnn()), torch.randn(4, 5, 8)))
+    eager PyTorch draws it, and returns its final states in eager's shape (torch's step-by-step
+    decomposition, which capture traces, leaves that dropout out in torch 2.15 and gives the
+    states a dimension too many in 2.11): the same outputs, states and gradients (in float64:
+    the fused and the decomposed layers round differently)."""
+    ref = Reference(lambda: (_Stacked(rnn()).double(), torch.randn(4, 5, 8, dtype=torch.float64)))
     rm = remat.Remat(ref.model, ref.sample, None)
-    assert any("dropout" in str(n.target) for n in rm._plan.graph.captured.gm.graph.nodes)
+    drawn = any("dropout" in str(n.target) for n in rm._plan.graph.captured.gm.graph.nodes)
+    assert drawn == (ref.model.rnn.dropout > 0)
     ref.check(rm)
 
 

@@ -1,5 +1,6 @@
 """Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) as capture traces them: step by step,
-through torch's decomposition, with the dropout between stacked layers that eager PyTorch draws."""
+through torch's decomposition, one layer at a time, with the dropout between stacked layers that
+eager PyTorch draws and its final states' shape."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ def traced_step_by_step() -> Iterator[None]:
       workspace is empty when traced and undefined when run (its backward fails on real tensors).
       The decomposition reads oneDNN's flag, and nothing else traced does: convolutions choose
       their kernels when they run.
-    - a stack of layers with dropout in training runs one layer at a time, with ``torch.dropout``
-      between them, as eager PyTorch draws it (the same masks from the same generator): torch's
-      decomposition of a stack leaves that dropout out.
+    - a stack of layers runs one layer at a time, with ``torch.dropout`` between them in training,
+      as eager PyTorch draws it (the same masks from the same generator): torch's decomposition of
+      a stack leaves that dropout out (torch 2.15), and returns the final states with a dimension
+      too many (torch 2.11).
     """
     from torch.nn.modules import rnn
 
@@ -52,23 +54,23 @@ class _LayerByLayer:
 
 def _stack(op: Any, *args: Any) -> Any:
     """``op(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-    batch_first)`` one layer at a time, with dropout between layers in training; a packed
-    sequence's call, or a stack without dropout between its layers, goes to ``op`` whole."""
+    batch_first)`` one layer at a time, with dropout between layers in training, and the final
+    states in eager PyTorch's shape, ``(layers * directions, batch, hidden)``: torch 2.11's
+    decomposition adds a dimension of 1 after the first. A packed sequence's call (whose
+    arguments differ) goes to ``op`` as it is."""
     if len(args) != 9:
         return op(*args)
     x, hx, params, has_biases, layers, p, train, bidirectional, batch_first = args
-    if not (train and p > 0 and layers > 1):
-        return op(*args)
     directions = 2 if bidirectional else 1
     per_layer = len(params) // layers
     states = list(hx) if isinstance(hx, (tuple, list)) else None  # an LSTM's (h, c)
     finals = []
     for i in range(layers):
-        if i > 0:
+        if i > 0 and train and p > 0:
             x = torch.dropout(x, p, True)
         rows = slice(i * directions, (i + 1) * directions)
         layer_hx = [s[rows] for s in states] if states is not None else hx[rows]
         weights = params[i * per_layer : (i + 1) * per_layer]
         x, *final = op(x, layer_hx, weights, has_biases, 1, 0.0, train, bidirectional, batch_first)
-        finals.append(final)
+        finals.append([f.reshape(directions, *f.shape[-2:]) for f in final])
     return (x, *(torch.cat(parts) for parts in zip(*finals)))
