@@ -330,3 +330,53 @@ def test_state_dict_has_the_models_own_keys() -> None:
     outer = nn.Sequential(rm)
     assert list(outer.state_dict()) == [f"0.{k}" for k in model.state_dict()]
     outer.load_state_dict(outer.state_dict())
+
+
+class Recording(nn.Module):
+    """Stores its hidden activation on itself, as code that reads attention maps back does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.kept = torch.zeros(2)  # set before capture: stays the tensor it was
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = self.inp(x).relu()
+        self.kept = self.hidden
+        return self.out(self.hidden)
+
+
+def test_what_a_forward_stores_and_hooks_are_put_back_after_capture_and_warned_of() -> None:
+    """Tracing runs the model's Python on tensors of its own: an attribute the forward sets is put
+    back as it was, and the warning names it and the hooked modules; the step stays plain
+    PyTorch's. Torch's own hooks (weight norm's, which sets ``weight``) go unnamed."""
+    ref = Reference(lambda: (nn.Sequential(Recording(), nn.Linear(8, 8)), torch.randn(4, 8)))
+    kept = ref.model[0].kept
+    recorded = []
+    ref.model[0].register_forward_hook(lambda module, args, out: recorded.append(out))
+    with pytest.warns(UserWarning, match=r"forward sets 0\.hidden, 0\.kept \(put back.*; hooks on 0 ran"):
+        rm = remat.Remat(ref.model, ref.sample, 0.8)
+    assert not hasattr(ref.model[0], "hidden") and ref.model[0].kept is kept
+    recorded.clear()
+    ref.check(rm)
+    assert recorded == []  # hooks run while capturing only, as the warning says
+    rm.eval()
+    assert torch.equal(rm(ref.sample), ref.copy.eval()(ref.sample))  # the model's own forward runs in eval
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="remat")
+        normed = nn.utils.weight_norm(nn.Linear(8, 8))
+        remat.Remat(nn.Sequential(normed, nn.ReLU()), torch.randn(4, 8), None)
+    assert not isinstance(normed.weight, torch._subclasses.functional_tensor.FunctionalTensor)
+
+
+def test_a_second_backward_through_a_step_and_a_double_backward_raise_with_the_fix() -> None:
+    model, sample = mlp()
+    rm = remat.Remat(model, sample, 0.5)
+    out = rm(sample)
+    out.pow(2).mean().backward(retain_graph=True)
+    with pytest.raises(remat.RematError, match=r"second backward.*\(loss_a \+ loss_b\)\.backward\(\)"):
+        out.abs().mean().backward()
+    x = sample.clone().requires_grad_(True)
+    with pytest.raises(remat.RematError, match=r"create_graph=True.*torch\.utils\.checkpoint"):
+        torch.autograd.grad(rm(x).sum(), x, create_graph=True)
+    rm(sample).pow(2).mean().backward()  # the next step runs

@@ -9,8 +9,10 @@ placeholders.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import operator
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -106,14 +108,16 @@ def capture(
     Inductor, which fuses the products that give dropout's output into their reader
     (``_dropout_from_its_mask``). ``dynamic``: for each flat input tensor, the dimensions traced
     as symbols (``sizes``); the graph then holds ``Sizes``, unless tracing made them all static."""
-    found = blocks.runs(model, args, kwargs)
-    try:
-        joint = _joint(model, args, kwargs, compiled, dynamic, found)
-    except (blocks.NotAlike, CaptureError) as exc:
-        if not found:
-            raise
-        log.info("tracing %s whole: %s", type(model).__name__, exc)
-        joint = _joint(model, args, kwargs, compiled, dynamic, [])
+    with _attributes_kept(model) as changed:
+        found = blocks.runs(model, args, kwargs)
+        try:
+            joint = _joint(model, args, kwargs, compiled, dynamic, found)
+        except (blocks.NotAlike, CaptureError) as exc:
+            if not found:
+                raise
+            log.info("tracing %s whole: %s", type(model).__name__, exc)
+            joint = _joint(model, args, kwargs, compiled, dynamic, [])
+    _warn_of_side_effects(model, changed)
     gm, placeholders, bindings, outputs, output_bindings, out_spec, sizes = joint
     _, in_spec, consts = flatten_inputs(args, kwargs)
     _check_no_collectives(gm, type(model).__name__)
@@ -282,6 +286,85 @@ def _smallest_value(shape_env: Any, sym: Any) -> int:
     traced apart)."""
     low = shape_env.var_to_range[sym].lower
     return max(2, int(low)) if isinstance(low, sympy.Integer) else 2  # not -oo
+
+
+# A module's own stores, which ``_state_kept`` and ``blocks.shortened`` keep.
+_STORES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[list[str]]:
+    """Puts back every attribute of the model's modules that tracing set or deleted, as tracing
+    ran on tensors of its own that mean nothing after it, and yields a list that names, once
+    tracing ends, those the model's forward set (``layers.0.attn``: a forward that stores a
+    tensor on its module), leaving out private ones that existed before (an RNN's
+    ``_flat_weights``, which follow its parameters as tracing swaps them)."""
+    before = [(name, m, dict(m.__dict__)) for name, m in model.named_modules()]
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        for name, m, attrs in before:
+            now = m.__dict__
+            keys = {k for k in [*now, *attrs] if k not in _STORES and (k not in now or now.get(k) is not attrs.get(k))}
+            for key in sorted(keys):
+                if key in attrs:
+                    now[key] = attrs[key]
+                else:
+                    del now[key]
+                if key not in attrs or not key.startswith("_"):
+                    changed.append(f"{name}.{key}" if name else key)
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _torchs(hook: Any) -> bool:
+    """Whether torch registered ``hook`` itself (weight norm's, spectral norm's)."""
+    owner = hook if inspect.isroutine(hook) else type(hook)
+    return (getattr(owner, "__module__", None) or "").startswith("torch.")
+
+
+def _hooked(model: nn.Module) -> list[str]:
+    """The modules of ``model`` with forward or backward hooks that torch did not register
+    itself, by name; ``*`` for hooks on every module."""
+    from torch.nn.modules import module as nn_module
+
+    def by_user(hooks: dict) -> bool:
+        return not all(map(_torchs, hooks.values()))
+
+    found = [name or "the model" for name, m in model.named_modules() if any(by_user(getattr(m, s)) for s in _HOOKS)]
+    return found + ["*"] * any(by_user(getattr(nn_module, f"_global{s}")) for s in _HOOKS)
+
+
+def _set_by_torch(model: nn.Module) -> set[str]:
+    """The attributes torch's own hooks set at each call (weight norm's ``weight``)."""
+    return {
+        f"{name}.{hook.name}" if name else hook.name
+        for name, m in model.named_modules()
+        for hook in m._forward_pre_hooks.values()
+        if _torchs(hook) and isinstance(getattr(hook, "name", None), str)
+    }
+
+
+def _warn_of_side_effects(model: nn.Module, changed: list[str]) -> None:
+    """Warns where tracing ran Python whose effects a step under remat does not have: attributes
+    the model's forward set (``changed``), and hooks, which run once, while tracing."""
+    found = []
+    changed = [name for name in changed if name not in _set_by_torch(model)]
+    if changed:
+        found.append(f"its forward sets {', '.join(changed)} (put back as it was before capture)")
+    hooked = _hooked(model)
+    if hooked:
+        found.append(f"hooks on {', '.join(hooked)} ran while capturing it")
+    if found:
+        warnings.warn(
+            f"remat: {type(model).__name__}: {'; '.join(found)}. remat runs the captured graph in place of the "
+            "model's Python: what that Python computes is in the graph, but what it stores (features, "
+            "statistics, counters) is not stored at each step. Return a tensor the loop reads as an output of "
+            "the model",
+            stacklevel=4,
+        )
 
 
 @contextlib.contextmanager

@@ -63,6 +63,7 @@ class Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
         grad_outputs = ctx.grads.give(grad_outputs)
+        _check_backward_once(ctx.saved is None)
         seen = _views_as_viewed(grad_outputs, ctx.views)  # which outputs the loss differentiates
         plan: RunsPlan = ctx.plan
         g, phases = plan.graph, ctx.phases
@@ -94,6 +95,23 @@ class Step(torch.autograd.Function):
         if plan.measure is not None:
             plan.measure.after_backward()
         return (None, None, None, None, *[by_input.get(v) for v in ctx.vids])
+
+
+def _check_backward_once(ran: bool) -> None:
+    """``RematError`` for a backward the plan cannot run: a second one through the same step
+    (``ran``), or one that makes a graph of the gradients (``create_graph=True``)."""
+    if ran:
+        raise RematError(
+            "remat: a second backward ran through the same step (backward(retain_graph=True), then another "
+            "backward through the same outputs), and the plan frees what the backward reads as it runs: sum the "
+            "losses and call backward once ((loss_a + loss_b).backward() gives the same gradients)"
+        )
+    if torch.is_grad_enabled():
+        raise RematError(
+            "remat: a backward with create_graph=True (a gradient penalty, a double backward) differentiates the "
+            "step's gradients, which remat's backward computes without a graph of their own: call the model "
+            "itself for that loss (remat.Remat(...).model), or checkpoint it with torch.utils.checkpoint"
+        )
 
 
 class _Taken:
