@@ -303,3 +303,43 @@ def test_a_loss_on_an_output_that_views_another_gets_its_gradients(reads: str, l
     ref.check(rm)
     step = ref.check(rm)
     assert step.grads and all(g.abs().sum() > 0 for g in step.grads.values())
+
+
+class _ReturnsItsWeights(nn.Module):
+    """Its output, and as outputs too its task weights (a parameter, as in losses weighted by learned
+    uncertainty), a transposed view of a layer's weight, and its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)))
+        self.log_vars = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.layers(x) * self.log_vars[0].exp(), self.log_vars, self.layers[0][0].weight.t(), x
+
+
+def test_a_loss_on_an_output_that_views_an_input_gets_its_gradients() -> None:
+    """An output that is a parameter, a view of one, or the input itself has no tangent in the
+    traced graph (AOTAutograd returns the input as it is): the gradient the loss gives it goes
+    into the input's, as in plain PyTorch, beside the gradient the graph computes for it."""
+
+    def loss(out):
+        y, log_vars, w_t, x = out
+        return (y.pow(2).mean() * (-log_vars[1]).exp() + log_vars.sum()) + w_t[:, :3].pow(2).sum() + x.sin().sum()
+
+    torch.manual_seed(0)
+    model, x = _ReturnsItsWeights(), torch.randn(4, 16, 64)
+    plain = copy.deepcopy(model)
+    rm = remat.Remat(model, x, budget_of(remat.Remat(model, x, None), 0.5))
+
+    def step(runner: nn.Module, m: nn.Module) -> dict[str, torch.Tensor]:
+        m.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        loss(runner(xi)).backward()
+        return {**{k: p.grad for k, p in m.named_parameters()}, "input": xi.grad}
+
+    step(rm, model)  # measures the loss
+    got, want = step(rm, model), step(plain, plain)
+    assert rm.plan.recomputed_time > 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=lambda m, k=k: f"{k}: {m}")

@@ -56,6 +56,7 @@ class Step(torch.autograd.Function):
         outs = [produced[g.value_of[o]] for o, b in _user_outputs(g)]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.views = _views_of_outputs(g, outs)
+        ctx.input_views = _outputs_viewing_inputs(g, outs, vids, tensors, ctx.needs_input_grad[4:])
         measure = plan.measure
         ctx.window = measure.open(outs[0].device) if measure is not None and measure.wanted() else None
         return tuple(outs)
@@ -64,6 +65,7 @@ class Step(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         grad_outputs = ctx.grads.give(grad_outputs)
         _check_backward_once(ctx.saved is None)
+        grad_outputs, to_inputs = _input_view_grads(grad_outputs, ctx.input_views)
         seen = _views_as_viewed(grad_outputs, ctx.views)  # which outputs the loss differentiates
         plan: RunsPlan = ctx.plan
         g, phases = plan.graph, ctx.phases
@@ -92,6 +94,8 @@ class Step(torch.autograd.Function):
             grads = dict(zip(phases.grads, phases.backward(args)))
         by_input = _grads_by_input(grads, plan.input_grads, got)
         del grads
+        for vid, grad in to_inputs.items():
+            by_input[vid] = grad if by_input.get(vid) is None else by_input[vid] + grad
         if plan.measure is not None:
             plan.measure.after_backward()
         return (None, None, None, None, *[by_input.get(v) for v in ctx.vids])
@@ -174,6 +178,51 @@ def _views_of_outputs(g: JointGraph, outs: list[torch.Tensor]) -> list[_View]:
         geometry = [(tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (b, t)]
         found.append((i, storage, base, *geometry))
     return found
+
+
+def _outputs_viewing_inputs(
+    g: JointGraph, outs: list[torch.Tensor], vids: list[int], tensors: tuple, differentiated: tuple[bool, ...]
+) -> list[_View]:
+    """The outputs that view the storage of an input the step differentiates, and have no tangent:
+    AOTAutograd returns such an output (a parameter the model returns, or a view of it) as the
+    input itself, outside the graph it differentiates, so :func:`_input_view_grads` takes its
+    gradient into the input's. Each as in :func:`_views_of_outputs`, with the input's value id
+    for the viewed output's index."""
+    tangents = {b.target for b in g.captured.bindings if b.kind == "tangent"}
+    by_ptr = {
+        t.untyped_storage().data_ptr(): (vid, t)
+        for vid, t, grad in zip(vids, tensors, differentiated)
+        if grad and t.numel() > 0
+    }
+    found: list[_View] = []
+    for i, t in enumerate(outs):
+        viewed = by_ptr.get(t.untyped_storage().data_ptr()) if i not in tangents and t.is_floating_point() else None
+        if viewed is None or t.numel() == 0:
+            continue
+        vid, b = viewed
+        storage = (b.untyped_storage().nbytes() // b.element_size(), b.dtype, b.device)
+        geometry = [(tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (b, t)]
+        found.append((i, storage, vid, *geometry))
+    return found
+
+
+def _input_view_grads(grads: tuple, views: list[_View]) -> tuple[tuple, dict[int, torch.Tensor]]:
+    """``grads`` without the gradients of outputs that view an input (``_outputs_viewing_inputs``),
+    and those gradients as the inputs' (value id -> gradient), each summed in a zeroed storage of
+    the input's geometry, as autograd sums a view's gradient into its base's."""
+    if not views or all(grads[i] is None for i, *_ in views):
+        return grads, {}
+    grads = list(grads)
+    storages: dict[int, torch.Tensor] = {}
+    geometry: dict[int, _Geometry] = {}
+    for i, (numel, dtype, device), vid, base, view in views:
+        if grads[i] is None:
+            continue
+        if vid not in storages:
+            storages[vid], geometry[vid] = torch.zeros(numel, dtype=dtype, device=device), base
+        storages[vid].as_strided(*view).add_(grads[i])
+        grads[i] = None
+    return tuple(grads), {vid: s.as_strided(*geometry[vid]) for vid, s in storages.items()}
 
 
 def _views_as_viewed(grads: tuple, views: list[_View]) -> tuple:
