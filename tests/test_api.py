@@ -380,3 +380,27 @@ def test_a_second_backward_through_a_step_and_a_double_backward_raise_with_the_f
     with pytest.raises(remat.RematError, match=r"create_graph=True.*torch\.utils\.checkpoint"):
         torch.autograd.grad(rm(x).sum(), x, create_graph=True)
     rm(sample).pow(2).mean().backward()  # the next step runs
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.generator = nn.Linear(4, 4), torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.randn(x.shape, generator=self.generator)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: nn.Sequential(torch.jit.script(nn.Linear(4, 4)), nn.ReLU()), r"0 of Sequential is a TorchScript"),
+        (lambda: nn.Sequential(nn.Embedding(8, 4, sparse=True), nn.ReLU()), r"0 of Sequential .*sparse=False"),
+        (_OwnGenerator, r"torch.Generator of its own.*default generator"),
+    ],
+    ids=["script", "sparse", "generator"],
+)
+def test_modules_tracing_cannot_take_raise_capture_error_with_the_fix(build, message: str) -> None:
+    sample = torch.randint(8, (2, 3)) if "sparse" in message else torch.randn(2, 4)
+    with pytest.raises(remat.CaptureError, match=message):
+        remat.Remat(build(), sample, 0.5)

@@ -122,6 +122,7 @@ def capture(
     _, in_spec, consts = flatten_inputs(args, kwargs)
     _check_no_collectives(gm, type(model).__name__)
     _check_no_function_graphs(gm, type(model).__name__)
+    _check_no_generators(gm, type(model).__name__)
     _sum_tied_grads(model, gm, outputs, output_bindings)
     _grads_in_param_layout(model, gm, outputs, output_bindings)
     _drop_running_stats_from_batch_norm_backward(gm)
@@ -211,6 +212,37 @@ def _check_no_collectives(gm: fx.GraphModule, name: str) -> None:
             "graphs without collectives: keep them out of the graph (with FSDP2, leave "
             "torch._dynamo.config.skip_fsdp_hooks at True, so that its gathers run between remat's graphs; "
             "wrap DistributedDataParallel around remat.Remat), or use torch.utils.checkpoint"
+        )
+
+
+def check_modules(model: nn.Module) -> None:
+    """``CaptureError`` for modules tracing cannot take, checked before tracing: TorchScript
+    modules, which it cannot enter, and embeddings with sparse gradients, where remat plans
+    dense tensors."""
+    for name, m in model.named_modules():
+        what = name or "the model"
+        if isinstance(m, torch.jit.ScriptModule):
+            raise CaptureError(
+                f"{what} of {type(model).__name__} is a TorchScript module (torch.jit.script or trace), which "
+                "tracing cannot enter: put the eager module there instead"
+            )
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise CaptureError(
+                f"{what} of {type(model).__name__} makes sparse gradients (sparse=True), and remat plans dense "
+                "tensors: pass sparse=False (dense gradients suit every optimizer)"
+            )
+
+
+def _check_no_generators(gm: fx.GraphModule, name: str) -> None:
+    """``CaptureError`` for a graph that draws random numbers from a ``torch.Generator`` of its own:
+    remat draws a recomputed op's numbers again from the default generator's saved state."""
+    found = [
+        n.target for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Generator)
+    ]
+    if found:
+        raise CaptureError(
+            f"{name} draws random numbers from a torch.Generator of its own, which remat cannot draw from again "
+            "when it recomputes an op: draw from the default generator (torch.manual_seed seeds it)"
         )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from . import _core, plain
 from .amp import autocast_state
 from .boundary import THE_LOSS, After, Outside, output_bytes
-from .capture import flatten_inputs, unflatten_inputs
+from .capture import check_modules, flatten_inputs, unflatten_inputs
 from .errors import (
     CaptureError,
     DeviceMismatch,
@@ -303,6 +303,7 @@ class Remat(nn.Module):
         """The call's graph, and the sample it is profiled with. Where ``dynamic``, its dynamic
         dimensions are symbolic (those tracing keeps symbolic), the sample grown to their bounds;
         where tracing with symbols fails, shapes are static (planned per shape, logged)."""
+        check_modules(self.model)
         if not self.dynamic:
             return captured(self.model, args, kwargs, self._options.compile), args, kwargs
         bounds = dynamic_dims(args, kwargs, self.dynamic)
