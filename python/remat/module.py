@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import inspect
 import json
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -326,15 +327,20 @@ class Remat(nn.Module):
         fp = fingerprint(base, self._budget_arg, astuple(self._options))
         return _PlanFile(path_of(self.plan_dir, fp), fp)
 
-    def _sibling(self, budget: int | float | None) -> Remat:
-        """A ``Remat`` of the same model and settings for ``budget``, which plans from this one's
-        captured and profiled graphs, capturing and profiling none again (``remat.backend``: a
-        graph that a step calls several times, one per call, each planned for its share)."""
+    def _sibling(self, budget: int | float | None, model: nn.Module | None = None) -> Remat:
+        """A ``Remat`` of the same model (or ``model``, a copy of it) and settings for ``budget``,
+        which plans from this one's captured and profiled graphs, capturing and profiling none
+        again (``remat.backend``: a graph that a step calls several times, one per call, each
+        planned for its share)."""
+        rm = Remat(self.model if model is None else model, None, budget, **self._settings())
+        rm._bases = self._bases
+        rm._after = self._after
+        return rm
+
+    def _settings(self) -> dict[str, Any]:
+        """The keyword arguments this ``Remat`` was made with."""
         o = self._options
-        rm = Remat(
-            self.model,
-            None,
-            budget,
+        return dict(
             solver=o.solver,
             time_limit=o.time_limit,
             mip_gap=o.mip_gap,
@@ -345,9 +351,19 @@ class Remat(nn.Module):
             plan_dir=self.plan_dir,
             measure_loss=self.measure_loss,
         )
-        rm._bases = self._bases
-        rm._after = self._after
-        return rm
+
+    def __deepcopy__(self, memo: dict) -> Remat:
+        """A ``Remat`` of a deep copy of the model, with the same budget and settings, that plans at
+        its first training call from this one's captured and profiled graphs (an EMA or averaged
+        copy of a wrapped model)."""
+        copied = self._sibling(self._budget_arg, copy.deepcopy(self.model, memo))
+        memo[id(self)] = copied
+        return copied.train(self.training)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
+        """Pickles (``torch.save``) the model, the budget and the settings: the wrapper loaded
+        plans at its first training call."""
+        return (_unpickled, (self.model, self._budget_arg, self._settings(), self.training))
 
     def set_budget(self, budget: int | float | None) -> None:
         """Plans every kept plan again for ``budget`` (as in ``Remat(...)``), from its captured and
@@ -517,6 +533,10 @@ class Remat(nn.Module):
             len(measured.released),
             time.perf_counter() - t0,
         )
+
+
+def _unpickled(model: nn.Module, budget: int | float | None, settings: dict[str, Any], training: bool) -> Remat:
+    return Remat(model, None, budget, **settings).train(training)
 
 
 def _plan_again(planned: _Planned, budget: int | float | None, options: Options, after: After) -> Plan:
