@@ -4,6 +4,7 @@ plan counts it, so the measured step keeps the budget."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -364,3 +365,40 @@ def test_rss_peak_is_the_steps_peak_and_needs_freed_memory_returned() -> None:
     env.pop("MALLOC_MMAP_THRESHOLD_")
     out = subprocess.run([sys.executable, "-c", _RSS], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "MALLOC_MMAP_THRESHOLD_=65536" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_step_accumulating_gradients_adds_each_into_grad_as_it_is_made() -> None:
+    """A step that accumulates into existing ``.grad`` (gradient accumulation) holds one gradient
+    part at a time, as autograd does, not every parameter's until the backward's end: its peak,
+    every allocation counted, is plain PyTorch's (without that, its parameters' size higher).
+    The gradients are plain PyTorch's sums, also for a parameter whose hook reads and changes its
+    gradient part."""
+
+    def build() -> tuple[nn.Module, torch.Tensor]:
+        blocks = [nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)) for _ in range(6)]
+        return nn.Sequential(*blocks), torch.randn(8, 256)
+
+    ref = Reference(build)
+    rm = remat.Remat(ref.model, ref.sample, 0.5)
+    peaks = []
+    for runner, model in ((rm, ref.model), (ref.copy, ref.copy)):
+        model[0][0].weight.register_hook(lambda grad: grad * 3)
+        step = functools.partial(_squares_backward, runner, ref.sample)
+        step()
+        step()  # planned again for the measured loss
+        model.zero_grad(set_to_none=True)
+        step()
+        with memory.Allocations() as record:
+            step()
+        peaks.append(memory.peak(record.deltas, set()))
+    grads = [{k: p.grad for k, p in m.named_parameters()} for m in (ref.model, ref.copy)]
+    assert_close_grads(*grads)
+    params = sum(p.numel() * p.element_size() for p in ref.model.parameters())
+    scalars = 16 * len(grads[0])  # a one-element zero stands for each part added
+    assert peaks[0] <= peaks[1] + scalars, (
+        f"accumulating step: {peaks[0]} B, plain's {peaks[1]} B ({params} B of parameters)"
+    )
+
+
+def _squares_backward(runner: nn.Module, sample: torch.Tensor) -> None:
+    runner(sample).pow(2).sum().backward()

@@ -47,6 +47,9 @@ class Phases:
     # Whether each phase's inputs end with the call's sizes (``Sizes.evaluate``): the graph's
     # symbolic sizes, which its ops read as arguments
     sized: bool = False
+    # Whether the backward phase's inputs end with its sinks (eager phases): per gradient output,
+    # a tensor to add it into as soon as it is made (``into_grad``), or None
+    sinks: bool = False
 
 
 def build_phases(g: JointGraph, schedule: Schedule, compiled: bool = False, marked: bool = False) -> Phases:
@@ -78,7 +81,20 @@ def build_phases(g: JointGraph, schedule: Schedule, compiled: bool = False, mark
     if compiled:
         forward, backward = CompiledPhase(forward, False, g.sizes), CompiledPhase(backward, True, g.sizes)
     sized = g.sizes is not None
-    return Phases(forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads, sized)
+    return Phases(
+        forward, backward, fwd_inputs, forward_outputs, saved, bwd_rng, bwd_inputs, grads, sized, not compiled
+    )
+
+
+def into_grad(sinks: list, k: int, grad: torch.Tensor) -> torch.Tensor:
+    """``grad``, the ``k``-th gradient output, or where ``sinks[k]`` is a tensor, ``grad`` added into
+    it and zeros in its place that hold no memory: a step that accumulates gradients into
+    ``.grad`` frees each part as it is made, as autograd does, not all at the end of the phase."""
+    sink = sinks[k]
+    if sink is None:
+        return grad
+    sink.add_(grad)
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
 def held_bytes(g: JointGraph, phases: Phases) -> int:
@@ -142,7 +158,8 @@ def _emit(
     """One phase, the function ``name`` (``codegen``): ``f([*inputs, *rng states]) -> (*outputs,
     *rng states)``, with the call's sizes (``Sizes.evaluate``) last among the inputs where the
     graph has symbolic sizes. ``layouts``: parameter gradients (value id -> the parameter's shape
-    and strides), put in the parameter's layout as soon as they are made.
+    and strides), put in the parameter's layout as soon as they are made and, in an eager phase,
+    handed to their sinks (``into_grad``), a list that comes last among its inputs.
 
     ``compiled``: the graph Inductor takes instead, ``f(*inputs, *rng states[, sizes])``, each
     input's placeholder with its captured (fake) tensor as ``meta["captured"]``: a replayed
@@ -173,6 +190,8 @@ def _emit(
             states[nid] = b.call(operator.getitem, (boxed, len(inputs) + j), {}, "rng_state")
         if g.sizes is not None:
             call_sizes = b.call(operator.getitem, (boxed, len(inputs) + len(rng_inputs)), {}, "sizes")
+        if layouts:  # the backward phase: its sinks come last
+            sinks = b.call(operator.getitem, (boxed, -1), {}, "sinks")
         b.call_method(boxed, "clear")
     sized: dict[int, Any] = {}
 
@@ -187,7 +206,21 @@ def _emit(
             sized[k] = b.call(operator.getitem, (call_sizes, k), {}, "size")
         return sized[k]
 
+    def arguments(node):
+        return fx.node.map_arg(
+            map_sizes((node.fx_node.args, node.fx_node.kwargs), size_of),
+            lambda a: a if a.graph is graph else env[g.value_of[a]],  # a size's FX node is the phase's
+        )
+
+    def sunk(vid: int) -> None:  # a parameter's gradient, in its layout and, read by no op, to its sink
+        env[vid] = b.call(in_layout, (env[vid], *layouts[vid]), {}, g.values[vid].name)
+        if not compiled and vid not in read:
+            env[vid] = b.call(into_grad, (sinks, outputs.index(vid), env[vid]), {}, g.values[vid].name)
+
     donating = donations(g, ops)
+    read = {v for op in ops if op.computes for v in g.nodes[op.node].inputs}
+    early = {} if compiled else _views_made_early(g, ops, layouts, read)
+    made_early: set[int] = set()
     for i, op in enumerate(ops):
         if mark is not None:
             b.call(_mark, (f"{mark}{i - 1}" if i else f"{mark}start",), {}, "mark")
@@ -196,10 +229,9 @@ def _emit(
                 env.pop(op.value, None)  # the code frees a value after its last use anyway
             continue
         node = g.nodes[op.node]
-        args, kwargs = fx.node.map_arg(
-            map_sizes((node.fx_node.args, node.fx_node.kwargs), size_of),
-            lambda a: a if a.graph is graph else env[g.value_of[a]],  # a size's FX node is the phase's
-        )
+        if node.id in made_early:
+            continue
+        args, kwargs = arguments(node)
         in_place = node.fx_node.meta.get(IN_PLACE) and not compiled
         target = torch.ops.aten.add_.Tensor if in_place else node.fx_node.target
         if not compiled and donating.get(i) is not None:  # the result in the dying operand's storage
@@ -228,7 +260,13 @@ def _emit(
             index = g.values[vid].index
             env[vid] = result if index is None else b.call(operator.getitem, (result, index), {}, g.values[vid].name)
             if vid in layouts:
-                env[vid] = b.call(in_layout, (env[vid], *layouts[vid]), {}, g.values[vid].name)
+                sunk(vid)
+            for grad, views in early.get(vid, ()):
+                for view in views:
+                    result = b.call(view.fx_node.target, *arguments(view), view.fx_node.name)
+                    env[view.outputs[0]] = result
+                    made_early.add(view.id)
+                sunk(grad)
     if mark is not None and ops:
         b.call(_mark, (f"{mark}{len(ops) - 1}",), {}, "mark")
     results = [*[env[v] for v in outputs], *[states[n] for n in rng_outputs]]
@@ -237,6 +275,29 @@ def _emit(
     graph.output(tuple(results))
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _views_made_early(
+    g: JointGraph, ops: tuple[Op, ...], layouts: dict[int, tuple], read: set[int]
+) -> dict[int, list[tuple[int, list]]]:
+    """Per value the phase computes, the parameter gradients that view it through ops of one input
+    (a weight's gradient, the transpose of a matmul's output), none of them read by an op, each
+    with those ops from the value on: the phase runs them as soon as it makes the value, so that
+    the gradient goes to its sink then, where the schedule makes a view when it is needed, at the
+    phase's end, holding its storage until then."""
+    made_by = {v: g.nodes[op.node] for op in ops if op.computes for v in g.nodes[op.node].outputs}
+    early: dict[int, list[tuple[int, list]]] = {}
+    for grad in layouts:
+        views, v = [], grad
+        while g.values[v].alias_of is not None and v in made_by:
+            node = made_by[v]
+            if len(node.inputs) != 1 or node.outputs != [v] or g.values[v].index is not None or node.random:
+                break
+            views.append(node)
+            v = node.inputs[0]
+        if views and grad not in read and g.values[v].alias_of is None and v in made_by:
+            early.setdefault(v, []).append((grad, views[::-1]))
+    return early
 
 
 class _Fx:

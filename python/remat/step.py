@@ -57,6 +57,10 @@ class Step(torch.autograd.Function):
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.views = _views_of_outputs(g, outs)
         ctx.input_views = _outputs_viewing_inputs(g, outs, vids, tensors, ctx.needs_input_grad[4:])
+        ctx.params = []  # per gradient output, its input, which may take it as soon as it is made
+        if phases.sinks:
+            input_of = {grad: vid for vid, grad, _ in plan.input_grads}
+            ctx.params = [by_vid.get(input_of.get(v)) for v in phases.grads]
         measure = plan.measure
         ctx.window = measure.open(outs[0].device) if measure is not None and measure.wanted() else None
         return tuple(outs)
@@ -88,7 +92,9 @@ class Step(torch.autograd.Function):
         tangents = _tangents(g, grad_outputs, plan.outside.no_grad, ctx.values)
         args = [tangents[v] if v in tangents else ctx.inputs[v] for v in phases.backward_inputs]
         args += ctx.saved + ctx.sizes
-        ctx.saved = None
+        if phases.sinks:
+            args.append([_sink(p) for p in ctx.params])
+        ctx.saved = ctx.params = None
         del tangents, grad_outputs
         with no_autocast():
             grads = dict(zip(phases.grads, phases.backward(args)))
@@ -99,6 +105,17 @@ class Step(torch.autograd.Function):
         if plan.measure is not None:
             plan.measure.after_backward()
         return (None, None, None, None, *[by_input.get(v) for v in ctx.vids])
+
+
+def _sink(param: torch.Tensor | None) -> torch.Tensor | None:
+    """Where the backward phase adds ``param``'s gradient as soon as it makes it: the ``.grad`` a
+    step accumulating gradients sums into, as autograd does (``executor.into_grad``), unless
+    hooks on ``param`` read the gradient itself, or autograd would not sum into that ``.grad``
+    in place."""
+    grad = None if param is None else param.grad
+    if grad is None or param._backward_hooks or grad.is_sparse or grad.requires_grad:
+        return None
+    return grad
 
 
 def _check_backward_once(ran: bool) -> None:
