@@ -8,7 +8,7 @@ import warnings
 import pytest
 import remat
 import torch
-from helpers import Reference, budget_at, call, default_loss, trace_once
+from helpers import Reference, budget_at, call, default_loss, run_step, trace_once
 from models import cnn, gpt2, mlp, unet
 from torch import nn
 
@@ -104,6 +104,25 @@ def test_eval_mode_and_no_grad_run_the_plain_model() -> None:
         got = rm(other)
         torch.manual_seed(1)
         torch.testing.assert_close(got, model(other))
+
+
+def test_submodules_put_in_eval_mode_after_planning_get_a_plan_of_their_own() -> None:
+    """Freezing BatchNorm or dropout (``eval()`` on submodules of a training model) after planning
+    plans again for that mode: the step uses the running statistics and updates none, as plain
+    PyTorch's, where the first plan's graph would normalize by the batch and update them."""
+    ref = Reference(cnn)
+    rm = remat.Remat(ref.model, ref.sample, None)
+    ref.check(rm)
+    for model in (ref.model, ref.copy):
+        for m in model.modules():
+            if isinstance(m, (nn.BatchNorm2d, nn.Dropout)):
+                m.eval()
+    stats = [b.clone() for b in ref.model.buffers()]
+    ref.buffers = {k: v.clone() for k, v in ref.model.named_buffers()}
+    ref.plain = run_step(ref.copy, ref.copy, ref.sample, ref.loss_fn)
+    ref.check(rm)
+    assert all(torch.equal(a, b) for a, b in zip(stats, ref.model.buffers()))
+    assert len(rm._plans) == 2
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one() -> None:

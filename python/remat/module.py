@@ -104,7 +104,8 @@ class Remat(nn.Module):
 
     A plan belongs to an input signature (the ranks, dtypes and devices of the tensors, the other
     arguments; with ``dynamic=False`` the shapes too), an autocast state (``torch.autocast``:
-    enabled or not, and its dtype) and the parameters' devices and dtypes. With symbolic sizes it
+    enabled or not, and its dtype), the parameters' devices and dtypes, and the submodules in
+    eval mode while the model trains (frozen BatchNorm or dropout). With symbolic sizes it
     serves every call that passes the guards tracing recorded up to its bound, each running the
     plan made for the smallest sizes above its own (``remat.levels``); a call beyond the bound
     plans again for the bound raised to it, in its place. A training call with a new combination
@@ -188,7 +189,8 @@ class Remat(nn.Module):
 
     def _key(self, args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
         params = {(p.device, p.dtype) for p in self.model.parameters()}
-        return _signature(args, kwargs, shapes), autocast_state(), tuple(sorted(params, key=str))
+        evaluating = tuple(i for i, m in enumerate(self.model.modules()) if not m.training)  # frozen BatchNorm
+        return _signature(args, kwargs, shapes), autocast_state(), tuple(sorted(params, key=str)), evaluating
 
     def _planned_for(self, args: tuple, kwargs: dict) -> tuple[tuple, _Planned, tuple[int, ...]]:
         """The key and plan of a call, planned on the way where none serves it, and the values of
@@ -746,8 +748,10 @@ def _signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
 
 
 def _describe(key: tuple) -> str:
-    """A plan's key in words: its inputs' shapes, dtypes and devices, and its autocast state."""
-    signature, autocast, _ = key
+    """A plan's key in words: its inputs' shapes, dtypes and devices, its autocast state, and how
+    many submodules are in eval mode."""
+    signature, autocast, _, evaluating = key
     inputs = ", ".join(f"{list(s)} {str(d).removeprefix('torch.')} on {dev}" for s, d, dev, _ in signature[2])
     casts = [f"{dev} {str(dtype).removeprefix('torch.')}" for dev, dtype in autocast]
-    return f"inputs {inputs or 'without tensors'}" + (f" under autocast ({', '.join(casts)})" if casts else "")
+    described = f"inputs {inputs or 'without tensors'}" + (f" under autocast ({', '.join(casts)})" if casts else "")
+    return described + (f" with {len(evaluating)} submodules in eval mode" if evaluating else "")
