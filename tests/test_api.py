@@ -106,23 +106,31 @@ def test_eval_mode_and_no_grad_run_the_plain_model() -> None:
         torch.testing.assert_close(got, model(other))
 
 
-def test_submodules_put_in_eval_mode_after_planning_get_a_plan_of_their_own() -> None:
-    """Freezing BatchNorm or dropout (``eval()`` on submodules of a training model) after planning
-    plans again for that mode: the step uses the running statistics and updates none, as plain
-    PyTorch's, where the first plan's graph would normalize by the batch and update them."""
+def test_submodules_frozen_after_planning_get_a_plan_of_their_own() -> None:
+    """Freezing BatchNorm (``eval()`` on submodules of a training model) after planning plans
+    again for that mode: the step uses the running statistics and updates none, as plain
+    PyTorch's, where the first plan's graph would normalize by the batch and update them. So
+    does freezing parameters (``requires_grad_(False)``): the new plan computes no gradient for
+    them."""
     ref = Reference(cnn)
     rm = remat.Remat(ref.model, ref.sample, None)
     ref.check(rm)
     for model in (ref.model, ref.copy):
         for m in model.modules():
-            if isinstance(m, (nn.BatchNorm2d, nn.Dropout)):
+            if isinstance(m, nn.BatchNorm2d):
                 m.eval()
     stats = [b.clone() for b in ref.model.buffers()]
     ref.buffers = {k: v.clone() for k, v in ref.model.named_buffers()}
     ref.plain = run_step(ref.copy, ref.copy, ref.sample, ref.loss_fn)
     ref.check(rm)
     assert all(torch.equal(a, b) for a, b in zip(stats, ref.model.buffers()))
-    assert len(rm._plans) == 2
+    for model in (ref.model, ref.copy):
+        model.zero_grad(set_to_none=True)
+        model.stem.requires_grad_(False)
+    ref.plain = run_step(ref.copy, ref.copy, ref.sample, ref.loss_fn)
+    ref.check(rm)
+    assert len(rm._plans) == 3
+    assert len(rm._plan.phases.grads) == sum(p.requires_grad for p in ref.model.parameters())
 
 
 def test_infeasible_budget_names_the_smallest_feasible_one() -> None:

@@ -104,8 +104,9 @@ class Remat(nn.Module):
 
     A plan belongs to an input signature (the ranks, dtypes and devices of the tensors, the other
     arguments; with ``dynamic=False`` the shapes too), an autocast state (``torch.autocast``:
-    enabled or not, and its dtype), the parameters' devices and dtypes, and the submodules in
-    eval mode while the model trains (frozen BatchNorm or dropout). With symbolic sizes it
+    enabled or not, and its dtype), the parameters' devices and dtypes, the parameters that
+    require no gradient, and the submodules in eval mode while the model trains (frozen
+    BatchNorm or dropout). With symbolic sizes it
     serves every call that passes the guards tracing recorded up to its bound, each running the
     plan made for the smallest sizes above its own (``remat.levels``); a call beyond the bound
     plans again for the bound raised to it, in its place. A training call with a new combination
@@ -188,9 +189,11 @@ class Remat(nn.Module):
         self._planned_for(*_as_call(sample))
 
     def _key(self, args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
-        params = {(p.device, p.dtype) for p in self.model.parameters()}
+        params = list(self.model.parameters())
+        kinds = tuple(sorted({(p.device, p.dtype) for p in params}, key=str))
+        frozen = tuple(i for i, p in enumerate(params) if not p.requires_grad)
         evaluating = tuple(i for i, m in enumerate(self.model.modules()) if not m.training)  # frozen BatchNorm
-        return _signature(args, kwargs, shapes), autocast_state(), tuple(sorted(params, key=str)), evaluating
+        return _signature(args, kwargs, shapes), autocast_state(), kinds, (frozen, evaluating)
 
     def _planned_for(self, args: tuple, kwargs: dict) -> tuple[tuple, _Planned, tuple[int, ...]]:
         """The key and plan of a call, planned on the way where none serves it, and the values of
@@ -749,9 +752,10 @@ def _signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
 
 def _describe(key: tuple) -> str:
     """A plan's key in words: its inputs' shapes, dtypes and devices, its autocast state, and how
-    many submodules are in eval mode."""
-    signature, autocast, _, evaluating = key
+    many parameters are frozen and submodules in eval mode."""
+    signature, autocast, _, (frozen, evaluating) = key
     inputs = ", ".join(f"{list(s)} {str(d).removeprefix('torch.')} on {dev}" for s, d, dev, _ in signature[2])
     casts = [f"{dev} {str(dtype).removeprefix('torch.')}" for dev, dtype in autocast]
     described = f"inputs {inputs or 'without tensors'}" + (f" under autocast ({', '.join(casts)})" if casts else "")
-    return described + (f" with {len(evaluating)} submodules in eval mode" if evaluating else "")
+    described += f", {len(frozen)} parameters frozen" if frozen else ""
+    return described + (f", {len(evaluating)} submodules in eval mode" if evaluating else "")
