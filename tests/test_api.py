@@ -424,8 +424,12 @@ class _OwnGenerator(nn.Module):
         (lambda: nn.Sequential(torch.jit.script(nn.Linear(4, 4)), nn.ReLU()), r"0 of Sequential is a TorchScript"),
         (lambda: nn.Sequential(nn.Embedding(8, 4, sparse=True), nn.ReLU()), r"0 of Sequential .*sparse=False"),
         (_OwnGenerator, r"torch.Generator of its own.*default generator"),
+        (
+            lambda: nn.Sequential(nn.LazyLinear(4), nn.ReLU()),
+            r"not made yet \(0\.weight, 0\.bias\): call the model once",
+        ),
     ],
-    ids=["script", "sparse", "generator"],
+    ids=["script", "sparse", "generator", "lazy"],
 )
 def test_modules_tracing_cannot_take_raise_capture_error_with_the_fix(build, message: str) -> None:
     sample = torch.randint(8, (2, 3)) if "sparse" in message else torch.randn(2, 4)

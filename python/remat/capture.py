@@ -216,9 +216,15 @@ def _check_no_collectives(gm: fx.GraphModule, name: str) -> None:
 
 
 def check_modules(model: nn.Module) -> None:
-    """``CaptureError`` for modules tracing cannot take, checked before tracing: TorchScript
-    modules, which it cannot enter, and embeddings with sparse gradients, where remat plans
-    dense tensors."""
+    """``CaptureError`` for modules tracing cannot take, checked before tracing: lazy modules not
+    yet run, TorchScript modules, which it cannot enter, and embeddings with sparse gradients,
+    where remat plans dense tensors."""
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise CaptureError(
+            f"{type(model).__name__} has parameters its lazy modules have not made yet ({', '.join(lazy)}): "
+            "call the model once on the sample before wrapping it"
+        )
     for name, m in model.named_modules():
         what = name or "the model"
         if isinstance(m, torch.jit.ScriptModule):
