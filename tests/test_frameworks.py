@@ -4,6 +4,7 @@ model."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import lightning
@@ -130,6 +131,35 @@ def test_enable_twice_raises_and_disable_restores_the_forward() -> None:
     with pytest.raises(remat.ArgumentError, match="disable"):
         remat.enable(model, 0.5)
     assert remat.disable(model) is model and remat.enabled(model) is None and "forward" not in model.__dict__
+
+
+def test_an_ema_copy_of_an_enabled_model_runs_its_own_weights() -> None:
+    """``copy.deepcopy`` of an enabled model (an EMA copy, ``AveragedModel``) routes the copy's
+    forward through a ``Remat`` of the copy, planned from the original's capture: the copy's
+    outputs and gradients are its own weights', the original's untouched."""
+    model, sample = _gpt2(), _sample(2)
+    remat.enable(model, 0.5, sample)
+    model(**sample).loss.backward()
+    ema = torch.optim.swa_utils.AveragedModel(model).module
+    plain = copy.deepcopy(_gpt2())
+    with torch.no_grad():
+        for p, q in zip(ema.parameters(), plain.parameters()):
+            p.mul_(0.5)
+            q.copy_(p)
+    assert remat.enabled(ema) is not remat.enabled(model) and remat.enabled(ema).model.model is ema
+    for m in (model, ema):
+        m.zero_grad(set_to_none=True)
+    for m in (ema, plain):
+        m.eval()
+        with torch.no_grad():
+            logits = m(**sample).logits
+        m.train()
+        torch.manual_seed(1)
+        m(**sample).loss.backward()
+    torch.testing.assert_close(logits, plain.eval()(**sample).logits)
+    for (name, p), q in zip(ema.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert all(p.grad is None for p in model.parameters())
 
 
 class _LitGPT2(lightning.LightningModule):

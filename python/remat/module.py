@@ -155,13 +155,33 @@ class Remat(nn.Module):
         if max_plans < 1:
             raise ValueError(f"max_plans must be at least 1, got {max_plans}")
         _check_not_sharded(model)
+        options = Options(solver, time_limit, mip_gap, slots, compile)  # checked
+        self._wrap(model, budget, options, max_plans, dynamic, plan_dir, measure_loss)
+        if sample is not None:
+            _check_device(model, *_as_call(sample))
+            self.plan_for(sample)
+
+    def _wrap(
+        self,
+        model: nn.Module,
+        budget: int | float | None,
+        options: Options,
+        max_plans: int,
+        dynamic: Dynamic | None,
+        plan_dir: str | os.PathLike | None,
+        measure_loss: bool,
+    ) -> None:
+        """Makes this the wrapper of ``model``, with settings checked and no plan yet: what
+        ``__init__`` makes after its checks, and copies without them (``copy.deepcopy`` and
+        pickle make a model that ``enable`` routes through a ``Remat`` before they have made its
+        attributes)."""
         self.model = model
         self.forward = _with_signature(self, model)
         self._register_state_dict_hook(_model_keys)
         self._register_load_state_dict_pre_hook(_wrapper_keys)
-        self.solver = solver
+        self.solver = options.solver
         self._budget_arg = budget
-        self._options = Options(solver, time_limit, mip_gap, slots, compile)  # checked
+        self._options = options
         self.max_plans = max_plans
         self.dynamic = True if dynamic is None else dynamic
         self.plan_dir = plan_dir
@@ -177,9 +197,6 @@ class Remat(nn.Module):
         self._smallest_budgets: dict[tuple[int, Outside], int] = {}  # ``_smallest``'s
         self._current: _Planned | None = None
         self._marking = False  # whether steps run the marked phases (``plot_memory``)
-        if sample is not None:
-            _check_device(model, *_as_call(sample))
-            self.plan_for(sample)
 
     def plan_for(self, sample: Any) -> None:
         """Plans now for calls like ``sample`` under the current autocast state (a training call
@@ -332,43 +349,38 @@ class Remat(nn.Module):
         fp = fingerprint(base, self._budget_arg, astuple(self._options))
         return _PlanFile(path_of(self.plan_dir, fp), fp)
 
-    def _sibling(self, budget: int | float | None, model: nn.Module | None = None) -> Remat:
-        """A ``Remat`` of the same model (or ``model``, a copy of it) and settings for ``budget``,
-        which plans from this one's captured and profiled graphs, capturing and profiling none
-        again (``remat.backend``: a graph that a step calls several times, one per call, each
-        planned for its share)."""
-        rm = Remat(self.model if model is None else model, None, budget, **self._settings())
+    def _sibling(self, budget: int | float | None, model: nn.Module | None = None, rm: Remat | None = None) -> Remat:
+        """A ``Remat`` (``rm``, made blank) of the same model (or ``model``, a copy of it) and settings
+        for ``budget``, which plans from this one's captured and profiled graphs, capturing and
+        profiling none again (``remat.backend``: a graph that a step calls several times, one per
+        call, each planned for its share; ``copy.deepcopy``)."""
+        rm = _blank() if rm is None else rm
+        rm._wrap(self.model if model is None else model, budget, *self._settings())
         rm._bases = self._bases
         rm._after = self._after
         return rm
 
-    def _settings(self) -> dict[str, Any]:
-        """The keyword arguments this ``Remat`` was made with."""
-        o = self._options
-        return dict(
-            solver=o.solver,
-            time_limit=o.time_limit,
-            mip_gap=o.mip_gap,
-            slots=o.slots,
-            compile=o.compile,
-            max_plans=self.max_plans,
-            dynamic=self.dynamic,
-            plan_dir=self.plan_dir,
-            measure_loss=self.measure_loss,
-        )
+    def _settings(self) -> tuple:
+        """``_wrap``'s arguments after the budget."""
+        return self._options, self.max_plans, self.dynamic, self.plan_dir, self.measure_loss
 
     def __deepcopy__(self, memo: dict) -> Remat:
         """A ``Remat`` of a deep copy of the model, with the same budget and settings, that plans at
         its first training call from this one's captured and profiled graphs (an EMA or averaged
-        copy of a wrapped model)."""
-        copied = self._sibling(self._budget_arg, copy.deepcopy(self.model, memo))
-        memo[id(self)] = copied
-        return copied.train(self.training)
+        copy of a wrapped model, or of one that ``enable`` routes through this)."""
+        copied = memo[id(self)] = _blank()
+        self._sibling(self._budget_arg, copy.deepcopy(self.model, memo), copied)
+        copied.training = self.training
+        return copied
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
         """Pickles (``torch.save``) the model, the budget and the settings: the wrapper loaded
         plans at its first training call."""
-        return (_unpickled, (self.model, self._budget_arg, self._settings(), self.training))
+        return _blank, (), (self.model, self._budget_arg, self._settings(), self.training)
+
+    def __setstate__(self, state: tuple) -> None:
+        model, budget, settings, self.training = state
+        self._wrap(model, budget, *settings)
 
     def set_budget(self, budget: int | float | None) -> None:
         """Plans every kept plan again for ``budget`` (as in ``Remat(...)``), from its captured and
@@ -540,8 +552,11 @@ class Remat(nn.Module):
         )
 
 
-def _unpickled(model: nn.Module, budget: int | float | None, settings: dict[str, Any], training: bool) -> Remat:
-    return Remat(model, None, budget, **settings).train(training)
+def _blank() -> Remat:
+    """A ``Remat`` wrapping nothing yet (``Remat._wrap`` makes it one)."""
+    rm = Remat.__new__(Remat)
+    nn.Module.__init__(rm)
+    return rm
 
 
 def _plan_again(planned: _Planned, budget: int | float | None, options: Options, after: After) -> Plan:

@@ -68,7 +68,6 @@ class Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
         grad_outputs = ctx.grads.give(grad_outputs)
-        _check_backward_once(ctx.saved is None)
         grad_outputs, to_inputs = _input_view_grads(grad_outputs, ctx.input_views)
         seen = _views_as_viewed(grad_outputs, ctx.views)  # which outputs the loss differentiates
         plan: RunsPlan = ctx.plan
@@ -78,6 +77,7 @@ class Step(torch.autograd.Function):
             ctx.window = None
         elif plan.measure is not None:
             plan.measure.learn_outputs(seen)
+        _check_backward_once(ctx.saved is None)  # the measuring window closed: no profiler left running
         got = frozenset(i for i, grad in enumerate(seen) if grad is not None)
         del seen
         grad_outputs = _views_folded(grad_outputs, ctx.views)
