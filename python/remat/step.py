@@ -206,15 +206,19 @@ def _outputs_viewing_inputs(
     gradient into the input's. Each as in :func:`_views_of_outputs`, with the input's value id
     for the viewed output's index."""
     tangents = {b.target for b in g.captured.bindings if b.kind == "tangent"}
+    untangented = [i for i, t in enumerate(outs) if i not in tangents and t.is_floating_point() and t.numel() > 0]
+    if not untangented:
+        return []
     by_ptr = {
         t.untyped_storage().data_ptr(): (vid, t)
         for vid, t, grad in zip(vids, tensors, differentiated)
         if grad and t.numel() > 0
     }
     found: list[_View] = []
-    for i, t in enumerate(outs):
-        viewed = by_ptr.get(t.untyped_storage().data_ptr()) if i not in tangents and t.is_floating_point() else None
-        if viewed is None or t.numel() == 0:
+    for i in untangented:
+        t = outs[i]
+        viewed = by_ptr.get(t.untyped_storage().data_ptr())
+        if viewed is None:
             continue
         vid, b = viewed
         storage = (b.untyped_storage().nbytes() // b.element_size(), b.dtype, b.device)
