@@ -357,19 +357,25 @@ def _attributes_kept(model: nn.Module) -> Iterator[list[str]]:
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def _torchs(hook: Any) -> bool:
-    """Whether torch registered ``hook`` itself (weight norm's, spectral norm's)."""
+# Libraries whose hooks compute what tracing records and store nothing: torch's (weight norm's,
+# spectral norm's) and transformers' (the embedding's output made to require a gradient, with
+# gradient checkpointing on).
+_LIBRARIES = ("torch.", "transformers.")
+
+
+def _by_library(hook: Any) -> bool:
+    """Whether a library registered ``hook`` (``_LIBRARIES``)."""
     owner = hook if inspect.isroutine(hook) else type(hook)
-    return (getattr(owner, "__module__", None) or "").startswith("torch.")
+    return (getattr(owner, "__module__", None) or "").startswith(_LIBRARIES)
 
 
 def _hooked(model: nn.Module) -> list[str]:
-    """The modules of ``model`` with forward or backward hooks that torch did not register
-    itself, by name; ``*`` for hooks on every module."""
+    """The modules of ``model`` with forward or backward hooks that no library registered
+    (``_LIBRARIES``), by name; ``*`` for hooks on every module."""
     from torch.nn.modules import module as nn_module
 
     def by_user(hooks: dict) -> bool:
-        return not all(map(_torchs, hooks.values()))
+        return not all(map(_by_library, hooks.values()))
 
     found = [name or "the model" for name, m in model.named_modules() if any(by_user(getattr(m, s)) for s in _HOOKS)]
     return found + ["*"] * any(by_user(getattr(nn_module, f"_global{s}")) for s in _HOOKS)
@@ -381,7 +387,7 @@ def _set_by_torch(model: nn.Module) -> set[str]:
         f"{name}.{hook.name}" if name else hook.name
         for name, m in model.named_modules()
         for hook in m._forward_pre_hooks.values()
-        if _torchs(hook) and isinstance(getattr(hook, "name", None), str)
+        if _by_library(hook) and isinstance(getattr(hook, "name", None), str)
     }
 
 
