@@ -186,6 +186,8 @@ def _capture_fix(exc: Exception) -> str:
             "chooses what to recompute itself: turn the model's checkpointing off (transformers: "
             "model.gradient_checkpointing_disable()) or make it non-reentrant (use_reentrant=False)"
         )
+    if "Generator" in str(exc):  # torch 2.11 fails on the op's generator argument
+        return _OWN_GENERATOR
     if type(exc).__name__ == "DynamicOutputShapeException":
         return (
             "an op's output shape depends on tensor values (packed sequences, nonzero, boolean masks as "
@@ -246,10 +248,13 @@ def _check_no_generators(gm: fx.GraphModule, name: str) -> None:
         n.target for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Generator)
     ]
     if found:
-        raise CaptureError(
-            f"{name} draws random numbers from a torch.Generator of its own, which remat cannot draw from again "
-            "when it recomputes an op: draw from the default generator (torch.manual_seed seeds it)"
-        )
+        raise CaptureError(f"{name}: {_OWN_GENERATOR}")
+
+
+_OWN_GENERATOR = (
+    "the model draws random numbers from a torch.Generator of its own, which remat cannot draw from again when "
+    "it recomputes an op: draw from the default generator (torch.manual_seed seeds it)"
+)
 
 
 def _check_no_function_graphs(gm: fx.GraphModule, name: str) -> None:
