@@ -77,7 +77,7 @@ class Step(torch.autograd.Function):
             ctx.window = None
         elif plan.measure is not None:
             plan.measure.learn_outputs(seen)
-        _check_backward_once(ctx.saved is None)  # the measuring window closed: no profiler left running
+        _check_backward_once(ctx.saved is None)  # after the window closes: its dispatch mode leaves the stack
         got = frozenset(i for i, grad in enumerate(seen) if grad is not None)
         del seen
         grad_outputs = _views_folded(grad_outputs, ctx.views)
