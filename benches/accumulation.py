@@ -28,17 +28,7 @@ def _every_allocation(step) -> int:
 
 def _micro_steps(runner, case: low_budget.Case, checkpointing: bool = False) -> tuple[int, int]:
     """The peaks of a first micro-step and of the one after it, after two warm-up steps."""
-
-    def step() -> None:
-        if checkpointing:
-            case.switch(True)
-        try:
-            out = runner(**case.args) if isinstance(case.args, dict) else runner(*case.args)
-            case.loss(out).backward()
-        finally:
-            if checkpointing:
-                case.switch(False)
-
+    step = low_budget._step(runner, case, checkpointing, accumulate=True)
     for _ in range(2):  # remat measures the loss and plans again for it
         case.model.zero_grad(set_to_none=True)
         step()

@@ -166,11 +166,15 @@ MODELS: dict[str, Callable[[], Case]] = {
 }
 
 
-def _step(runner: Callable[..., Any], case: Case, checkpointing: bool = False) -> Callable[[], None]:
+def _step(
+    runner: Callable[..., Any], case: Case, checkpointing: bool = False, accumulate: bool = False
+) -> Callable[[], None]:
+    """One training step of ``runner``; ``accumulate``: into the ``.grad`` left by the step before."""
     cuda = next(case.model.parameters()).is_cuda
 
     def step() -> None:
-        case.model.zero_grad(set_to_none=True)  # the gradients the step makes are its .grad, not counted
+        if not accumulate:
+            case.model.zero_grad(set_to_none=True)  # the gradients the step makes are its .grad, not counted
         if checkpointing:
             case.switch(True)
         try:
