@@ -343,3 +343,30 @@ def test_a_loss_on_an_output_that_views_an_input_gets_its_gradients() -> None:
     assert rm.plan.recomputed_time > 0
     for k in want:
         torch.testing.assert_close(got[k], want[k], msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _Residual(nn.Module):
+    """Blocks whose output's gradient the backward reads twice: scaled (into the block) and as it is
+    (the residual sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x) / 0.8
+        return x
+
+
+@pytest.mark.parametrize("measure_loss", [True, False])
+def test_a_gradient_planned_as_zeros_is_not_written_over_when_one_comes(measure_loss: bool) -> None:
+    """At the smallest budget the first plan has no room for a loss and plans the output's gradient
+    as zeros. The step's loss gives it one, which the backward reads where it planned the zeros:
+    the caller's tensor, which no op may write its result into (the quotient by 0.8 did, and the
+    residual sum then read the quotient: every gradient wrong)."""
+    ref = Reference(lambda: (_Residual(), torch.randn(64, 32)))
+    smallest = remat.Remat(ref.model, ref.sample, None).plan.min_budget
+    rm = remat.Remat(ref.model, ref.sample, smallest, measure_loss=measure_loss)
+    assert rm.plan.outside.no_grad == frozenset({0})
+    ref.check(rm)

@@ -182,7 +182,7 @@ def with_outside(base: JointGraph, outside: Outside) -> JointGraph:
     if outside.held_bytes:  # counted while the backward runs, like an output's gradient
         source = next(iter(captured.gm.graph.nodes))
         g.values.append(Value(len(g.values), "held_by_the_loss", "tangent", source, None, outside.held_bytes))
-    mark_donors(g)
+    mark_donors(g, frozenset(ids[name] for name, (kind, _) in new_values.items() if kind == "zeros" and name in ids))
     return g
 
 

@@ -244,13 +244,15 @@ IN_PLACE_FORMS = {
 }
 
 
-def mark_donors(g: JointGraph) -> None:
+def mark_donors(g: JointGraph, not_owned: frozenset[int] = frozenset()) -> None:
     """Name each elementwise op's donor: an operand whose storage the op may write its result into
     where the schedule frees the operand right after the op, as autograd sums gradients into the
     first part's buffer (``docs/formats.md``, "Donors"). The operand is an activation owning a
-    storage no other value views, not a graph output, of the result's shape, strides and dtype.
-    A sum that makes a gradient output has none: its parts are activation memory, which a storage
-    that becomes ``.grad`` is not, and it holds no more with a storage of its own. Needs ``g``
+    storage no other value views, not a graph output, of the result's shape, strides and dtype,
+    and not in ``not_owned``: values that may be the caller's tensor when the step runs (an
+    output's gradient planned as zeros is the gradient autograd passes, where one comes). A sum
+    that makes a gradient output has none: its parts are activation memory, which a storage that
+    becomes ``.grad`` is not, and it holds no more with a storage of its own. Needs ``g``
     profiled (aliases known)."""
     viewed = {v.alias_of for v in g.values if v.alias_of is not None}
     outputs = {v for v, _ in g.outputs}
@@ -270,6 +272,7 @@ def mark_donors(g: JointGraph) -> None:
         v = g.values[vid]
         return (
             v.kind == "activation"
+            and vid not in not_owned
             and v.alias_of is None
             and vid not in viewed
             and vid not in outputs
