@@ -29,7 +29,7 @@ from .amp import no_autocast
 from .boundary import loss_room
 from .executor import Phases, held_bytes
 from .graph import JointGraph
-from .memory import Allocations, peak, storage_bytes, storage_ptrs
+from .memory import Allocations, known_sizes, peak, storage_bytes, storage_ptrs
 from .planner import Planner
 from .schedule import Schedule
 from .trace import graph_inputs, sample_tangents
@@ -109,7 +109,7 @@ def measure(
         excess = max(sum(handed.values()) - held_bytes(g, phases), 0)
         saved = list(result[n_out:])
         del result
-        tangents = sample_tangents(g, no_grad)
+        tangents = known_sizes(lambda: sample_tangents(g, no_grad))  # the backward frees them where it is done
         args = [tangents[v] if v in tangents else inputs[v] for v in phases.backward_inputs] + saved + sizes
         del saved, tangents
         phases.backward.compile_for(args)

@@ -8,13 +8,16 @@ from __future__ import annotations
 import bisect
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import record_function
 
 from .errors import RematError
+
+T = TypeVar("T")
 
 # The CUDA caching allocator hands out whole blocks of this many bytes (one at least): a storage
 # takes its bytes rounded up to them, and the allocator's events and peaks count the blocks.
@@ -177,6 +180,16 @@ class Allocations:
     def span(self, name: str) -> tuple[int, int]:
         """The events of the span ``name``: ``deltas[start:end]`` (empty if it did not run)."""
         return self.spans.get(name, (0, 0))
+
+
+def known_sizes(make: Callable[[], T]) -> T:
+    """``make()``, run while the profiler records memory, so that a later recording sees the
+    release of the CPU memory it allocates, at its size. PyTorch's CPU allocator gives the profiler
+    a release's size from a table it fills only while a profiler records memory, and forgets an
+    entry only where the release happens during a recording: memory allocated outside one is
+    released unseen, or seen at the size of what an earlier recording allocated at its address."""
+    with Allocations():
+        return make()
 
 
 def _paired(
