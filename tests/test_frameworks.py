@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 
 import lightning
 import pytest
@@ -160,6 +161,33 @@ def test_an_ema_copy_of_an_enabled_model_runs_its_own_weights() -> None:
     for (name, p), q in zip(ema.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_enabled_model_saved_whole_loads_enabled_and_trains_as_the_plain_one() -> None:
+    """``torch.save`` of an enabled model (a whole-model checkpoint) keeps it enabled, with its
+    budget and settings: the loaded model's forward runs through a ``Remat`` of its own, planned
+    at its first training call, and its gradients are those of the plain model."""
+    model, sample = _gpt2(), _sample(2)
+    remat.enable(model, 0.5, sample)
+    model(**sample).loss.backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    rm = remat.enabled(loaded)
+    assert rm is not None and rm is not remat.enabled(model) and rm.model.model is loaded
+    assert type(rm.model).__name__ == "GPT2LMHeadModel"
+    plain = _gpt2()
+    plain.load_state_dict(loaded.state_dict())
+    assert inspect.signature(loaded.forward) == inspect.signature(plain.forward)
+    for m in (loaded, plain):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        m(**sample).loss.backward()
+    assert rm.plan is not None and rm.plan.budget < rm.plan.plain_peak
+    for (name, p), q in zip(loaded.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _same_weights(remat.disable(loaded), plain)
 
 
 class _LitGPT2(lightning.LightningModule):

@@ -12,8 +12,7 @@ loop, its optimizer and its saving stay as they are.
 from __future__ import annotations
 
 import inspect
-import types
-from typing import Any
+from typing import Any, SupportsIndex
 
 from torch import nn
 
@@ -25,12 +24,15 @@ _KEY = "_remat"  # in the model's ``__dict__``: not a submodule, so not in its s
 
 class _Original(nn.Module):
     """The model with the forward it had before ``enable``: what remat captures and runs. It
-    trains where the model does (``model.train()``, ``model.eval()``)."""
+    trains where the model does (``model.train()``, ``model.eval()``). Its class, made per model
+    class, takes that class's name (logs and progress bars name the model's class); pickle and
+    ``copy.deepcopy`` make it again from the model."""
 
-    def __init__(self, model: nn.Module, forward: Any) -> None:
+    def __init__(self, model: nn.Module, replaced: Any) -> None:
         super().__init__()
         self.model = model
-        self.forward = forward
+        self.replaced = replaced  # the model's instance forward before ``enable``, if any
+        self.forward = type(model).forward.__get__(model) if replaced is None else replaced
 
     @property
     def training(self) -> bool:  # type: ignore[override]
@@ -40,33 +42,50 @@ class _Original(nn.Module):
     def training(self, mode: bool) -> None:
         pass  # the model's own flag counts
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
+        return _original, (self.model, self.replaced)
+
+
+def _original(model: nn.Module, replaced: Any) -> _Original:
+    named = type(type(model).__name__, (_Original,), {})
+    return named(model, replaced)
+
+
+class _Forward:
+    """The forward ``enable`` gives the model: its ``Remat``, with the signature and docstring of
+    the forward it replaces (Trainer keeps the data's columns that the forward names)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.__doc__ = model.forward.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.__dict__[_KEY](*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        try:
+            return inspect.signature(self.model.__dict__[_KEY].model.forward)
+        except (TypeError, ValueError):
+            return None
+
 
 def enable(model: nn.Module, budget: int | float | None, sample: Any = None, **options: Any) -> nn.Module:
     """Train ``model`` under ``budget`` in place and return it: its ``forward`` runs through a
     ``remat.Remat`` (``options`` are ``Remat``'s keyword arguments), everything else is the
     model's own. ``sample``: the inputs of one call, planned for now (the longest batch, whose
     sizes bound the plan); without it the first training call plans, at its sizes. Eval mode and
-    ``torch.no_grad()`` run the model's own forward. ``remat.enabled(model)`` returns the
-    ``Remat`` (for ``set_budget``, ``plan_for``); ``remat.disable(model)`` undoes this."""
+    ``torch.no_grad()`` run the model's own forward. ``torch.save`` and ``copy.deepcopy`` of the
+    model keep it enabled, with its budget and settings; the copy plans at its first training
+    call. ``remat.enabled(model)`` returns the ``Remat`` (for ``set_budget``, ``plan_for``);
+    ``remat.disable(model)`` undoes this."""
     if _KEY in model.__dict__:
         raise ArgumentError("remat is enabled on this model already; call remat.disable(model) first")
-    original = model.forward
-    named = type(type(model).__name__, (_Original,), {})  # logs and progress name the model's class
-    rm = Remat(named(model, original), sample, budget, **options)
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__[_KEY](*args, **kwargs)
-
-    forward.__doc__ = original.__doc__
-    try:  # the model's parameters, so that frameworks that read them (Trainer's columns) see them
-        signature = inspect.signature(original)
-        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        forward.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
-    except (TypeError, ValueError):
-        pass
+    replaced = model.__dict__.get("forward")  # an instance forward before, if any
+    rm = Remat(_original(model, replaced), sample, budget, **options)
     model.__dict__[_KEY] = rm
-    model.__dict__["_remat_replaced"] = model.__dict__.get("forward")  # an instance forward before, if any
-    model.forward = types.MethodType(forward, model)
+    model.__dict__["_remat_replaced"] = replaced
+    model.forward = _Forward(model)
     return model
 
 
