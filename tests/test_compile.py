@@ -6,11 +6,13 @@ budget falls."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import remat
@@ -448,3 +450,34 @@ def test_the_compiled_fit_measures_the_step_it_plans_with_dropout_drawn_again():
     assert rm._plan.schedule.predicted.beside_bytes > 0, "no dropout is drawn again"
     measured = remat.testing.measure_step(step, keep).peak_bytes
     assert abs(rm._plan.peak - measured) <= 0.01 * measured, (rm._plan.peak, measured)
+
+
+def test_the_fit_compiles_no_schedule_predicted_no_faster_than_one_that_keeps_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first compiled plan measures 10% under its budget, so the solver is asked for more; the
+    schedule it gives is predicted slower, so it could not run even where it kept the budget, and
+    is not compiled: the first one runs."""
+    target = 1000
+    fast = SimpleNamespace(forward=(1,), backward=(), predicted=SimpleNamespace(time=1.0, step_peak_bytes=950))
+    slow = SimpleNamespace(forward=(2,), backward=(), predicted=SimpleNamespace(time=1.5, step_peak_bytes=990))
+    for s in (fast, slow):
+        s.runs = lambda: collections.Counter({0: 1})
+    asks, measured = [], []
+    schedules = iter([fast, slow])
+
+    def solve(planner, asked, options, first):
+        asks.append(asked)
+        return next(schedules)
+
+    def compiled_peak(g, planner, schedule, phases, tensors, no_grad):
+        measured.append(schedule)
+        return 900
+
+    monkeypatch.setattr(remat.plans, "_solve_to_fit", solve)
+    monkeypatch.setattr(remat.plans, "build_phases", lambda g, schedule, compiled: schedule.forward)
+    monkeypatch.setattr(remat.plans, "_compiled_peak", compiled_peak)
+    graph = SimpleNamespace(nodes=[0])
+    schedule, phases, peak = remat.plans._fitted(graph, None, (target, 4000), None, {}, frozenset())
+    assert asks == [1000, 1050] and measured == [fast]
+    assert (schedule, phases, peak) == (fast, (1,), 900)

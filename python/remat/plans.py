@@ -650,7 +650,7 @@ def _fitted(
     reorders, so it is asked again for the budget moved by what the measurement differs from the
     prediction by (the smallest budget where that is below it), where the plan goes over or
     leaves over ``FIT_SLACK`` unused; of the plans that keep the budget, the fastest predicted
-    runs. Where none keeps it, the first schedule runs eagerly, as predicted, with a warning, and
+    runs, and a schedule predicted no faster than one that keeps it is not compiled. Where none keeps it, the first schedule runs eagerly, as predicted, with a warning, and
     so does a schedule that runs the graph's ops more than ``MAX_COMPILED_RUNS`` times over where
     none kept it before. ``fitting``: the target and plain PyTorch's peak (``make_plan``)."""
     target, plain_peak = fitting
@@ -664,6 +664,8 @@ def _fitted(
         if ops in tried:
             break
         tried.add(ops)
+        if best is not None and schedule.predicted.time >= best[0].predicted.time:
+            break  # it would not run where it kept the budget either: not compiled
         first = first or schedule
         runs = schedule.runs().total() / max(len(g.nodes), 1)
         if runs > MAX_COMPILED_RUNS:
