@@ -416,3 +416,32 @@ def test_a_step_accumulating_gradients_adds_each_into_grad_as_it_is_made() -> No
 
 def _squares_backward(runner: nn.Module, sample: torch.Tensor) -> None:
     runner(sample).pow(2).sum().backward()
+
+
+class _Depthwise(nn.Module):
+    """A depthwise convolution whose weight is read as a view, as in transformers' Mamba: the
+    convolution's backward makes the input's, the weight's and the bias's gradients, the weight's
+    through views that an eager backward phase runs as soon as the op has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 64)
+        self.conv = nn.Conv1d(64, 64, 4, groups=64, padding=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.conv.weight.squeeze(1)
+        out = nn.functional.conv1d(
+            self.proj(x).transpose(1, 2), weight.unsqueeze(1), self.conv.bias, padding=3, groups=64
+        )
+        return out[..., : x.shape[1]].relu()
+
+
+@pytest.mark.parametrize("smallest", [False, True])
+def test_an_op_with_a_gradient_made_early_gives_its_later_outputs_their_own_values(smallest: bool) -> None:
+    ref = Reference(lambda: (_Depthwise(), torch.randn(4, 64, 16)))
+    rm = remat.Remat(ref.model, ref.sample, 1.0)
+    ref.check(rm)
+    if smallest:
+        rm.set_budget(rm.plan.min_budget)
+    for _ in range(2):  # the first step at a budget measures the loss, the second runs the plan for it
+        ref.check(rm)

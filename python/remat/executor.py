@@ -263,8 +263,7 @@ def _emit(
                 sunk(vid)
             for grad, views in early.get(vid, ()):
                 for view in views:
-                    result = b.call(view.fx_node.target, *arguments(view), view.fx_node.name)
-                    env[view.outputs[0]] = result
+                    env[view.outputs[0]] = b.call(view.fx_node.target, *arguments(view), view.fx_node.name)
                     made_early.add(view.id)
                 sunk(grad)
     if mark is not None and ops:
