@@ -157,6 +157,16 @@ def llama() -> Case:
     return _lm(LlamaForCausalLM(config), {"input_ids": tokens, "attention_mask": _padded(tokens)}, tokens)
 
 
+def mamba() -> Case:
+    """Mamba LM (2 layers, hidden 32, state 8, 2 x 32 tokens): a selective scan, traced as
+    transformers' parallel scan, after a depthwise convolution whose weight is read as a view."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, use_cache=False)
+    tokens = torch.randint(VOCAB, (2, 32))
+    return _lm(MambaForCausalLM(config), tokens, tokens)
+
+
 def mixtral() -> Case:
     """Mixtral mixture-of-experts LM (2 layers, hidden 64, 4 experts, top-2 routing, eager, 2 x 32 tokens)."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -478,6 +488,7 @@ ZOO: dict[str, Callable[[], Case]] = {
     "bart": bart,
     "llama": llama,
     "mixtral": mixtral,
+    "mamba": mamba,
     "whisper": whisper,
     "vit": vit,
     "convnext": convnext,
