@@ -464,3 +464,23 @@ def test_a_deep_copy_and_a_pickled_wrapper_train_their_own_parameters(monkeypatc
             ref.check(wrapper)
             ref.check(wrapper)  # planned again for the measured loss
             assert wrapper.plan.budget < wrapper.plan.plain_peak
+
+
+def test_without_a_budget_the_smallest_budget_is_one_set_budget_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper without a budget keeps no room for the loss. Once a step has told which outputs
+    the loss reads, ``set_budget`` plans for the loss estimated over them, and ``min_budget`` is
+    the smallest budget it takes."""
+    trace_once(monkeypatch)
+    ref = Reference(gpt2)
+    rm = remat.Remat(ref.model, ref.sample, None)
+    without_loss = rm.plan.min_budget  # no step yet: set_budget would plan without room if need be
+    ref.check(rm)
+    smallest = rm.plan.min_budget
+    assert smallest > without_loss
+    with pytest.raises(remat.InfeasibleBudget) as info:
+        rm.set_budget(smallest - 1)
+    assert info.value.min_budget == smallest
+    rm.set_budget(smallest)
+    assert rm.plan.budget == smallest
+    for _ in range(2):  # the first step measures the loss, the second runs the plan for it
+        ref.check(rm)

@@ -407,8 +407,16 @@ class Remat(nn.Module):
     @property
     def plan(self) -> PlanReport | None:
         """The current plan (of the last training call's inputs): its budget, predictions and
-        schedule; ``None`` before any (or with ``solver="none"``)."""
-        return None if self._plan is None else self._plan.report()
+        schedule; ``None`` before any (or with ``solver="none"``). Without a budget, once a step
+        has told which outputs the loss reads, ``min_budget`` is the smallest ``set_budget``
+        takes: with room for the loss estimated over them, which that plan keeps none of."""
+        if self._plan is None:
+            return None
+        report = self._plan.report()
+        assert self._current is not None
+        if self._budget_arg is None and self._current.measure.learned is not None:
+            report = replace(report, min_budget=self._smallest(self._after))
+        return report
 
     @property
     def graph(self) -> dict[str, Any] | None:

@@ -650,9 +650,10 @@ def _fitted(
     reorders, so it is asked again for the budget moved by what the measurement differs from the
     prediction by (the smallest budget where that is below it), where the plan goes over or
     leaves over ``FIT_SLACK`` unused; of the plans that keep the budget, the fastest predicted
-    runs, and a schedule predicted no faster than one that keeps it is not compiled. Where none keeps it, the first schedule runs eagerly, as predicted, with a warning, and
-    so does a schedule that runs the graph's ops more than ``MAX_COMPILED_RUNS`` times over where
-    none kept it before. ``fitting``: the target and plain PyTorch's peak (``make_plan``)."""
+    runs, and a schedule predicted no faster than one that keeps it is not compiled. Where none
+    keeps it, the first schedule runs eagerly, as predicted, with a warning, and so does a
+    schedule that runs the graph's ops more than ``MAX_COMPILED_RUNS`` times over where none kept
+    it before. ``fitting``: the target and plain PyTorch's peak (``make_plan``)."""
     target, plain_peak = fitting
     asked, first, best = target, None, None
     tried: set[tuple] = set()  # the schedules measured, by their ops
