@@ -84,7 +84,6 @@ def enable(model: nn.Module, budget: int | float | None, sample: Any = None, **o
     replaced = model.__dict__.get("forward")  # an instance forward before, if any
     rm = Remat(_original(model, replaced), sample, budget, **options)
     model.__dict__[_KEY] = rm
-    model.__dict__["_remat_replaced"] = replaced
     model.forward = _Forward(model)
     return model
 
@@ -98,8 +97,7 @@ def disable(model: nn.Module) -> nn.Module:
     """Undo ``enable``: the model's forward is its own again; returns the model."""
     if _KEY not in model.__dict__:
         return model
-    del model.__dict__[_KEY]
-    replaced = model.__dict__.pop("_remat_replaced")
+    replaced = model.__dict__.pop(_KEY).model.replaced
     if replaced is None:
         del model.__dict__["forward"]
     else:
